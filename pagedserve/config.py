@@ -1,0 +1,88 @@
+"""Engine configuration: one validated dataclass. The CLI's and the server's flags are generated
+from these fields (see pagedserve.entrypoints.cli), never from a second hand-written list."""
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, dataclass, field, fields
+
+
+def _h(text: str, **kw) -> dict:
+    return {"help": text, **kw}
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = field(default=None, metadata=_h("GGUF file or HF folder; default: the bundled SmolLM2-135M-Instruct"))
+    dtype: str = field(default="auto", metadata=_h("float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on GPU)"))
+    device: str = field(default="cpu", metadata=_h("cpu | cuda"))
+    block_size: int = field(default=16, metadata=_h("tokens per KV block"))
+    num_kv_blocks: int | None = field(default=None, metadata=_h("KV pool size in blocks (overrides --kv-cache-memory)"))
+    kv_cache_memory: str | None = field(default=None, metadata=_h("KV pool size in bytes, e.g. 2GiB; default: 20%% of free memory, at most 4 GiB"))
+    max_model_len: int | None = field(default=None, metadata=_h("longest prompt + output; default: the model's context, at most 8192"))
+    max_num_batched_tokens: int = field(default=1024, metadata=_h("token budget of one step"))
+    max_num_seqs: int = field(default=64, metadata=_h("most requests running at once"))
+    enable_prefix_caching: bool = field(default=True, metadata=_h("reuse cached KV blocks of shared prefixes"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_h("split long prompts across steps"))
+    long_prefill_token_threshold: int = field(default=256, metadata=_h("chunk limit: most prompt tokens one request computes per step"))
+    preemption_mode: str = field(default="recompute", metadata=_h("recompute | swap, when the KV pool is full"))
+    swap_space: float = field(default=1.0, metadata=_h("host-memory swap tier in GiB (preemption_mode=swap)"))
+    max_waiting_requests: int | None = field(default=None, metadata=_h("bounded waiting queue; beyond it requests are rejected"))
+    seed: int = field(default=0, metadata=_h("seed of the sampler's shared generator"))
+    kv_allocation: str = field(default="paged", metadata=_h("paged | contiguous (reserve max_model_len tokens per request; for experiments)"))
+    scheduling_policy: str = field(default="continuous", metadata=_h("continuous | static (a batch runs until its longest member ends; for experiments)"))
+    num_threads: int | None = field(default=None, metadata=_h("torch CPU threads; default: all cores"))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "must be a positive integer")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                bad(name, "must be a positive integer or None")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            bad("num_kv_blocks", "must be at least 2 (block 0 is reserved)")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            bad("max_waiting_requests", "must be non-negative")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("cpu", "cuda"),
+                   "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
+                   "scheduling_policy": ("continuous", "static")}
+        for name, ok in choices.items():
+            if getattr(self, name) not in ok:
+                bad(name, f"must be one of {ok}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            bad("swap_space", "must be a non-negative number of GiB")
+
+    @classmethod
+    def field_specs(cls):
+        """(name, type, default, help) of every field: what the CLI builds its flags from."""
+        for f in fields(cls):
+            default = None if f.default is MISSING else f.default
+            yield f.name, f.type, default, f.metadata.get("help", "")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name} must be a size like 2GiB or 512MiB, got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n

@@ -1,0 +1,205 @@
+"""KVCacheManager: which blocks each request holds. Prefix caching (chained block hashes), sharing
+by fork with copy-on-write of a partial block, and a host-memory swap tier."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """A full block is named by its tokens and everything before it (the parent's hash)."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class BlockOps:
+    """Cache-memory copies the model runner performs before the next forward, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    copy: list[tuple[int, int]] = field(default_factory=list)       # copy-on-write (src, dst)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0, reserve_tokens: int | None = None):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        # contiguous policy: reserve this many tokens' worth of blocks at admission (None = paged)
+        self.reserve_tokens = reserve_tokens
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}     # the block table handed to the runner
+        self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
+        self.host_free: deque[int] = deque(range(num_host_blocks))
+        self.num_host_blocks = num_host_blocks
+        self.swapped: dict[str, list[int]] = {}            # request -> host blocks, in order
+        self.ops = BlockOps()
+        self.prefix_queries = 0                            # tokens looked up in the prefix cache
+        self.prefix_hits = 0                               # tokens found there
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_block_ids.get(request_id, [])
+
+    def num_shared_savings(self) -> int:
+        """Blocks that sharing (forks, prefix hits) saved: sum of (refcount - 1) over shared blocks."""
+        return sum(b.ref_cnt - 1 for b in self.pool.blocks[1:] if b.ref_cnt > 1)
+
+    def take_ops(self) -> BlockOps:
+        ops, self.ops = self.ops, BlockOps()
+        return ops
+
+    # ------------------------------------------------------------ prefix cache
+    def _ensure_hashes(self, req: Request, upto_tokens: int) -> None:
+        bs, hashes = self.block_size, req.block_hashes
+        for i in range(len(hashes), upto_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of full blocks, capped at num_tokens - 1 so the last token is
+        always computed (its logits are needed)."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._ensure_hashes(req, max_blocks * self.block_size)
+        hit: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.append(b)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: list[KVBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and the prefix hit
+        `computed`, when admitting). False, with nothing changed, if the pool cannot provide it."""
+        computed = computed or []
+        held = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        if self.reserve_tokens is not None:
+            total_tokens = max(total_tokens, self.reserve_tokens)
+        need_new = max(0, self.blocks_needed(total_tokens) - len(held) - len(computed))
+        cow = self._needs_cow(held, num_computed) and num_new_tokens > 0
+        revived = sum(1 for b in computed if b.ref_cnt == 0)   # touching these takes them off the free queue
+        if need_new + cow + revived > self.pool.num_free_blocks:
+            return False
+        rid = req.request_id
+        if rid not in self.req_blocks:
+            self.req_blocks[rid], self.req_block_ids[rid], self.num_hashed[rid] = [], [], 0
+        blocks, ids = self.req_blocks[rid], self.req_block_ids[rid]
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            ids.extend(b.block_id for b in computed)
+            self.num_hashed[rid] = len(blocks)
+        if cow:
+            old = blocks[-1]
+            new = self.pool.get_new_blocks(1)[0]
+            self.ops.copy.append((old.block_id, new.block_id))
+            self.pool.free_blocks([old])
+            blocks[-1], ids[-1] = new, new.block_id
+        if need_new:
+            fresh = self.pool.get_new_blocks(need_new)
+            blocks.extend(fresh)
+            ids.extend(b.block_id for b in fresh)
+        self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
+        return True
+
+    def _needs_cow(self, held: list[KVBlock], num_computed: int) -> bool:
+        """The next token lands in the last held block, which someone else also references."""
+        return bool(held) and num_computed % self.block_size != 0 and \
+            len(held) == self.blocks_needed(num_computed) and held[-1].ref_cnt > 1
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = req.request_id
+        n_full = num_tokens // self.block_size
+        start = self.num_hashed[rid]
+        if n_full <= start:
+            return
+        self._ensure_hashes(req, n_full * self.block_size)
+        blocks = self.req_blocks[rid]
+        for i in range(start, n_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_hashed[rid] = n_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (refcount + 1); writes into a shared partial
+        block are copy-on-write (see allocate_slots)."""
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        cid = child.request_id
+        self.req_blocks[cid] = list(blocks)
+        self.req_block_ids[cid] = list(self.req_block_ids[parent.request_id])
+        self.num_hashed[cid] = self.num_hashed[parent.request_id]
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, req: Request) -> None:
+        """Release every block the request holds, last block first (LRU eviction then takes a
+        prefix's later blocks before its earlier ones). Also drops any swapped-out copy."""
+        rid = req.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+        self.req_block_ids.pop(rid, None)
+        self.num_hashed.pop(rid, None)
+        host = self.swapped.pop(rid, None)
+        if host:
+            self.host_free.extend(host)
+
+    # ------------------------------------------------------------ swap tier
+    def can_swap_out(self, req: Request) -> bool:
+        return len(self.req_blocks.get(req.request_id, ())) <= len(self.host_free)
+
+    def swap_out(self, req: Request) -> None:
+        rid = req.request_id
+        blocks = self.req_blocks[rid]
+        host = [self.host_free.popleft() for _ in blocks]
+        self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
+        self.swapped[rid] = host
+        blocks_copy = list(blocks)
+        self.req_blocks.pop(rid)
+        self.req_block_ids.pop(rid)
+        self.num_hashed.pop(rid)
+        self.pool.free_blocks(reversed(blocks_copy))
+
+    def swap_in(self, req: Request) -> bool:
+        rid = req.request_id
+        host = self.swapped[rid]
+        if len(host) > self.pool.num_free_blocks:
+            return False
+        blocks = self.pool.get_new_blocks(len(host))
+        self.ops.swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
+        del self.swapped[rid]
+        self.host_free.extend(host)
+        self.req_blocks[rid] = blocks
+        self.req_block_ids[rid] = [b.block_id for b in blocks]
+        self.num_hashed[rid] = len(blocks) if not self.enable_caching else 0
+        # swapped-in blocks are private copies; register the full ones in the prefix cache again
+        self._cache_full_blocks(req, req.num_computed_tokens)
+        return True

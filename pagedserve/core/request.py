@@ -1,0 +1,77 @@
+"""A request as the scheduler sees it: token ids, one progress counter, a status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"            # blocks dropped; re-prefills from token 0 when readmitted
+    SWAPPED = "swapped"                # blocks copied to the host tier; copied back when readmitted
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """No prefill or decode phase: `num_computed_tokens` alone says how far the request got, so chunked
+    prefill, mixed batches, prefix hits and recompute after preemption are one code path."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                              # resolved: params.max_tokens or what max_model_len allows
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0                            # lower is served first
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0                         # FCFS tie-break, set by the scheduler
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1                  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_samples: int = 1                         # >1: the first sample forks into n sequences sharing blocks
+    seq_index: int = 0                           # which of the n samples this sequence is
+    parent_id: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    generator_seed: int | None = None
+    # timestamps (monotonic seconds) for latency metrics
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,247 @@
+"""The continuous-batching scheduler. Each step forms one batch under a token budget:
+running requests first (decodes and unfinished prefill chunks), then waiting requests in
+priority order while their blocks fit. When the pool is full, the lowest-priority, most recently
+admitted running request is preempted (recompute or swap). Plain Python: no torch."""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 512      # chunk limit: most prompt tokens one request computes per step
+    preemption_mode: str = "recompute"           # "recompute" | "swap"
+    max_waiting_requests: int | None = None      # bounded queue; None = unbounded
+    policy: str = "continuous"                   # "continuous" | "static" (a batch runs until its longest member ends)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of the step: compute tokens [start, start + num_tokens) of it."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    sample: bool                 # this chunk reaches the request's last token: sample from its logits
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)     # decodes (num_tokens == 1) first
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    block_ops: BlockOps = field(default_factory=BlockOps)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (the server answers 503)."""
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: list[tuple[tuple[int, int], Request]] = []   # heap on (priority, arrival_seq)
+        self.running: list[Request] = []          # kept sorted by (priority, arrival): victims come off the end
+        self.requests: dict[str, Request] = {}
+        self._seq = itertools.count()
+        self.num_preemptions = 0
+        self.static_batch: set[str] = set()       # static policy: ids of the batch in flight
+
+    # ------------------------------------------------------------ admission
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Reject at once a request that could never run (ValueError names the limit)."""
+        total = prompt_len + max_tokens
+        if prompt_len < 1:
+            raise ValueError("prompt: must contain at least one token")
+        if total > self.cfg.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                             f"max_model_len ({self.cfg.max_model_len})")
+        need = self.kv.blocks_needed(max(total, self.kv.reserve_tokens or 0))
+        if need > self.kv.pool.num_usable_blocks:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, "
+                             f"more than the whole KV cache ({self.kv.pool.num_usable_blocks} blocks of "
+                             f"{self.kv.block_size} tokens)")
+        if not self.cfg.enable_chunked_prefill and prompt_len > self.cfg.max_num_batched_tokens:
+            raise ValueError(f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
+                             f"({self.cfg.max_num_batched_tokens}) and chunked prefill is disabled")
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        cap = self.cfg.max_waiting_requests
+        if cap is not None and len(self.waiting) >= cap:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
+        self.check_fits(req.num_prompt_tokens, req.max_tokens)
+        req.arrival_seq = next(self._seq)
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def add_running_fork(self, parent: Request, child: Request) -> None:
+        """A sample of an n > 1 request: shares the parent's blocks and runs from where it is."""
+        child.arrival_seq = parent.arrival_seq
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.kv.fork(parent, child)
+        bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings
+        if self.cfg.policy == "static":
+            self.static_batch.add(child.request_id)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (req.sort_key, req))
+
+    # ------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.seqs.sort(key=lambda s: s.num_tokens != 1)    # decodes first: the runner batches them
+        for s in out.seqs:
+            s.request.num_computed_tokens += s.num_tokens
+        out.block_ops = self.kv.take_ops()
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.cfg.enable_chunked_prefill and n > 1:
+            n = min(n, self.cfg.long_prefill_token_threshold)
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            if n <= 0 or (not self.cfg.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens):
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]         # lowest priority, most recently admitted: not yet scheduled
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:    # preempted itself: nothing below it runs either
+                continue
+            self._add(out, req, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.cfg.policy == "static" and self.static_batch:
+            return                                    # static batching: admit only when the batch is done
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0][1]
+            if req.status is RequestStatus.SWAPPED:
+                if not self.kv.swap_in(req):
+                    break
+                n = self._chunk(req, budget)
+                if not self.kv.allocate_slots(req, n):
+                    self.kv.free(req)             # cannot happen often: undo, recompute later
+                    req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
+                    break
+            else:
+                computed, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+                remaining = req.num_tokens - num_hit
+                n = self._chunk(req, budget) if num_hit == 0 else min(remaining, budget,
+                    self.cfg.long_prefill_token_threshold if self.cfg.enable_chunked_prefill else remaining)
+                if not self.cfg.enable_chunked_prefill and n < remaining:
+                    break
+                if not self.kv.allocate_slots(req, n, computed):
+                    break
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+            heapq.heappop(self.waiting)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, req, key=_sort_key)
+            if self.cfg.policy == "static":
+                self.static_batch.add(req.request_id)
+            self._add(out, req, n)
+            budget -= n
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        sample = req.num_computed_tokens + n == req.num_tokens
+        out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), sample))
+        if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        if self.cfg.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            self.kv.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        self._push_waiting(req)
+
+    # ------------------------------------------------------------ after the step
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Leave the batch now: free blocks, drop from whichever queue holds it."""
+        if req.status.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting = [(k, r) for k, r in self.waiting if r is not req]
+            heapq.heapify(self.waiting)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.static_batch.discard(req.request_id)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def waiting_reason(self, req: Request) -> str:
+        """Why a waiting request is not running (for /debug/scheduler)."""
+        ahead = [r for _, r in self.waiting if r.sort_key < req.sort_key]
+        if self.cfg.policy == "static" and self.static_batch:
+            return "static batch in flight"
+        if len(self.running) >= self.cfg.max_num_seqs:
+            return "max_num_seqs reached"
+        if ahead and any(r.priority < req.priority for r in ahead):
+            return "lower priority"
+        need = self.kv.blocks_needed(req.num_tokens - req.num_computed_tokens)
+        if need > self.kv.num_free_blocks:
+            return "no free KV blocks"
+        if ahead:
+            return "queued behind earlier requests (token budget used)"
+        return "token budget used"
+
+
+def _sort_key(r: Request) -> tuple[int, int]:
+    return r.sort_key

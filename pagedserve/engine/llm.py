@@ -1,0 +1,131 @@
+"""The offline API, named as vLLM's: LLM(model, **engine_args).generate / .chat / .beam_search."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.tokenizer import apply_chat_template
+
+
+@dataclass(slots=True)
+class BeamSequence:
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    finished: bool = False
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        if any(p.use_beam_search for p in params):
+            return [self._beam_search_one(pr, p) for pr, p in zip(prompts, params)]
+        return self._run(prompts, params, priority, use_tqdm)
+
+    def _run(self, prompts, params, priority, use_tqdm) -> list[RequestOutput]:
+        eng = self.engine
+        ids = []
+        try:
+            for i, (pr, sp) in enumerate(zip(prompts, params)):
+                ids.append(eng.add_request(None, pr, sp, priority=priority[i] if priority else 0))
+        except Exception:
+            for rid in ids:
+                eng.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": apply_chat_template(self.engine.tokenizer, c, add_generation_prompt)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------ beam search
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
+        sp = SamplingParams(n=params.beam_width, use_beam_search=True, max_tokens=params.max_tokens,
+                            ignore_eos=params.ignore_eos, length_penalty=params.length_penalty)
+        return [self._beam_search_one(p, sp) for p in (prompts if isinstance(prompts, list) else [prompts])]
+
+    def _beam_search_one(self, prompt, sp: SamplingParams) -> RequestOutput:
+        """vLLM's scheme: each step runs every live beam one token further with 2*width logprobs and keeps
+        the best `width` continuations. Beams share their common prefix through the prefix cache: a
+        step re-reads cached full blocks and computes only the tail of the last partial block."""
+        eng, width = self.engine, sp.beam_width
+        text, prompt_ids = eng.tokenize(prompt)
+        eos = set(eng.eos_token_ids) if not sp.ignore_eos else set()
+        eng.scheduler.check_fits(len(prompt_ids), sp.max_tokens or 1)
+        step_params = SamplingParams(max_tokens=1, logprobs=2 * width, ignore_eos=True)
+        beams = [BeamSequence([])]
+        finished: list[BeamSequence] = []
+        self.beam_peak_blocks = 0
+        for _ in range(sp.max_tokens):
+            ids = [eng.add_request(None, {"prompt_token_ids": prompt_ids + b.tokens}, step_params) for b in beams]
+            outs: dict[str, RequestOutput] = {}
+            while eng.has_unfinished_requests():
+                self.beam_peak_blocks = max(self.beam_peak_blocks, eng.kv.pool.num_usable_blocks - eng.kv.num_free_blocks)
+                for o in eng.step():
+                    outs[o.request_id] = o
+            cands = []
+            for b, rid in zip(beams, ids):
+                for tok, lp in outs[rid].outputs[0].logprobs[0].items():
+                    cands.append(BeamSequence(b.tokens + [tok], b.cum_logprob + lp.logprob))
+            cands.sort(key=lambda c: c.cum_logprob, reverse=True)
+            beams = []
+            for c in cands:
+                if c.tokens[-1] in eos:
+                    if len(finished) < width:
+                        finished.append(BeamSequence(c.tokens, c.cum_logprob, True))
+                else:
+                    beams.append(c)
+                if len(beams) == width:
+                    break
+            if not beams:
+                break
+        finished.extend(beams)
+
+        def score(b: BeamSequence) -> float:
+            return b.cum_logprob / (max(1, len(b.tokens)) ** sp.length_penalty)
+
+        best = sorted(finished, key=score, reverse=True)[: sp.n]
+        tok = eng.tokenizer
+        outs = [CompletionOutput(i, tok.decode(b.tokens, skip_special_tokens=True), b.tokens, b.cum_logprob, None,
+                                 "stop" if b.finished else "length") for i, b in enumerate(best)]
+        return RequestOutput(f"beam-{id(best)}", text, prompt_ids, outs, True)
+
+
+def _progress(total: int, use_tqdm: bool):
+    if not use_tqdm or total < 8:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+__all__ = ["LLM"]

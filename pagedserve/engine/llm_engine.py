@@ -1,0 +1,309 @@
+"""LLMEngine: add_request / step / abort. One step is schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import EngineArgs, parse_bytes
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.outputs import (CompletionOutput, EngineCounters, RequestMetrics, RequestOutput, StepStats)
+from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
+from pagedserve.runner.sampler import SampledToken
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+log = logging.getLogger("pagedserve")
+GiB = 2**30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The engine's view of one user request: its n sequences and what they produced so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    arrival_time: float
+    seqs: list[Request] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[list | None] = field(default_factory=list)
+    cum_logprobs: list[float] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    stop_reasons: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finish) == self.params.n and all(f is not None for f in self.finish)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs):
+        args = args or EngineArgs(**kwargs)
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        t0 = time.perf_counter()
+        self.source = resolve_model(args.model)
+        dtype = _DTYPES.get(args.dtype, torch.float32 if args.device == "cpu" else torch.bfloat16)
+        self.model, self.model_config = load_model(self.source, dtype, args.device)
+        self.tokenizer = load_tokenizer(self.source)
+        self.load_s = time.perf_counter() - t0
+        cfg = self.model_config
+        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
+                                 cfg.max_position_embeddings)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        num_blocks = self._size_kv_pool(dtype)
+        bytes_per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * args.block_size
+        num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
+        reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold, preemption_mode=args.preemption_mode,
+            max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy), self.kv)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed)
+        self.kv_cache_bytes = self.runner.kv_cache_bytes
+        self.workspace_bytes = self._workspace_bytes(dtype)
+        self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
+        self.states: dict[str, RequestState] = {}
+        self.seq_owner: dict[str, RequestState] = {}     # sequence id -> its user request
+        self.counters = EngineCounters()
+        self.last_stats = StepStats()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------ memory plan
+    def _workspace_bytes(self, dtype) -> int:
+        c, a = self.model_config, self.args
+        t = a.max_num_batched_tokens
+        act = t * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
+        logits = a.max_num_seqs * c.vocab_size * 4
+        gather = a.max_num_seqs * self.max_model_len * c.num_kv_heads * c.head_dim * 2
+        return act * (torch.finfo(dtype).bits // 8) + logits + gather * (torch.finfo(dtype).bits // 8)
+
+    def _size_kv_pool(self, dtype) -> int:
+        a, c = self.args, self.model_config
+        per_block = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * a.block_size
+        if a.num_kv_blocks is not None:
+            return a.num_kv_blocks
+        if a.kv_cache_memory is not None:
+            budget = parse_bytes(a.kv_cache_memory, "kv_cache_memory")
+            how = "kv_cache_memory"
+        else:
+            free = _free_memory_bytes(a.device)
+            budget = min(int(0.2 * free), 4 * GiB)
+            how = f"20% of {free / GiB:.1f} GiB free, at most 4 GiB"
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        log.info("memory plan: weights %.2f GiB | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens "
+                 "at %d bytes/token", self.weights_bytes / GiB, blocks * per_block / GiB, how, blocks,
+                 a.block_size, blocks * a.block_size, per_block // a.block_size)
+        return int(blocks)
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
+        return (prompt.get("prompt") if isinstance(prompt, dict) else None), list(ids)
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    priority: int = 0, stream: bool = False, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: beam search runs through LLM.beam_search / LLM.generate, "
+                             "not engine.add_request")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
+                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids, priority=priority,
+                      num_samples=params.n, generator_seed=params.seed)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.scheduler.add_request(req)          # raises ValueError / QueueFullError before any state exists
+        st = RequestState(request_id, text, ids, params, stream, req.arrival_time)
+        self._add_seq(st, req)
+        self.states[request_id] = st
+        return request_id
+
+    def _add_seq(self, st: RequestState, req: Request) -> None:
+        p = st.params
+        need_detok = st.stream or bool(p.stop)
+        st.seqs.append(req)
+        st.detoks.append(IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.skip_special_tokens)
+                         if need_detok else None)
+        st.texts.append("")
+        st.logprobs.append([] if p.logprobs is not None else None)
+        st.cum_logprobs.append(0.0)
+        st.finish.append(None)
+        st.stop_reasons.append(None)
+        self.seq_owner[req.request_id] = st
+
+    def abort(self, request_id: str) -> bool:
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return False
+        for i, req in enumerate(st.seqs):
+            self.scheduler.abort(req.request_id)
+            self.runner.sampler.forget(req.request_id)
+            self.seq_owner.pop(req.request_id, None)
+            if st.finish[i] is None:
+                st.finish[i] = "abort"
+        self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        ro = self.runner.execute(so)
+        touched = self._postprocess(so, ro)
+        outs = [self._output(st) for st in touched if st.stream or st.finished]
+        for o in outs:
+            if o.finished:
+                self.states.pop(o.request_id, None)
+        self._record_stats(so, ro, time.perf_counter() - t0)
+        return outs
+
+    def _postprocess(self, so: SchedulerOutput, ro: RunnerOutput) -> list[RequestState]:
+        touched: dict[str, RequestState] = {}
+        now = time.monotonic()
+        for s in so.seqs:
+            req = s.request
+            samples = ro.sampled.get(req.request_id)
+            if not samples:
+                continue
+            st = self.seq_owner[req.request_id]
+            touched[st.request_id] = st
+            for i, smp in enumerate(samples[1:], start=1):      # n > 1: the first sample forks
+                child = Request(f"{req.request_id}#{i}", req.prompt_token_ids, req.params, req.max_tokens,
+                                req.eos_token_ids, req.priority, req.arrival_time,
+                                num_computed_tokens=req.num_computed_tokens, seq_index=i, parent_id=req.request_id,
+                                num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
+                                generator_seed=None if req.generator_seed is None else req.generator_seed + i)
+                self.scheduler.add_running_fork(req, child)
+                self._add_seq(st, child)
+                self._append(st, child, smp, now)
+            self._append(st, req, samples[0], now)
+        return list(touched.values())
+
+    def _append(self, st: RequestState, req: Request, smp: SampledToken, now: float) -> None:
+        i = req.seq_index
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if i == 0:
+                self.counters.prompt_tokens += req.num_prompt_tokens
+        req.last_token_time = now
+        tok = smp.token_id
+        req.append_token(tok)
+        self.counters.generation_tokens += 1
+        if smp.logprobs is not None:
+            st.logprobs[i].append(smp.logprobs)
+            st.cum_logprobs[i] += smp.logprobs[tok].logprob
+        p = st.params
+        finish, reason = None, None
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if st.detoks[i] is not None:
+            delta = st.detoks[i].add(tok)
+            st.texts[i] = st.detoks[i].text
+            if p.stop and delta and may_stop:
+                finish, reason = self._check_stop_strings(st, i, len(delta))
+        if finish is None and may_stop and (tok in req.eos_token_ids or tok in p.stop_token_ids):
+            finish, reason = "stop", (tok if tok in p.stop_token_ids else None)
+        if finish is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            st.finish[i], st.stop_reasons[i] = finish, reason
+            status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
+            self.scheduler.finish(req, status)
+            self.runner.sampler.forget(req.request_id)
+            self.seq_owner.pop(req.request_id, None)
+            self.counters.finished[finish] = self.counters.finished.get(finish, 0) + 1
+            if st.detoks[i] is None:
+                st.texts[i] = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+
+    def _check_stop_strings(self, st: RequestState, i: int, delta_len: int):
+        text = st.texts[i]
+        for stop in st.params.stop:
+            start = max(0, len(text) - delta_len - len(stop) + 1)
+            k = text.find(stop, start)
+            if k >= 0:
+                st.texts[i] = text[: k + len(stop)] if st.params.include_stop_str_in_output else text[:k]
+                return "stop", stop
+        return None, None
+
+    def _visible_text(self, st: RequestState, i: int) -> str:
+        """While a sequence runs, hold back a tail that might still become a stop string."""
+        text = st.texts[i]
+        if st.finish[i] is None and st.params.stop and not st.params.include_stop_str_in_output:
+            hold = max(len(s) for s in st.params.stop) - 1
+            return text[: max(0, len(text) - hold)]
+        return text
+
+    def _output(self, st: RequestState) -> RequestOutput:
+        outs = [CompletionOutput(i, self._visible_text(st, i), list(r.output_token_ids),
+                                 st.cum_logprobs[i] if st.logprobs[i] is not None else None,
+                                 st.logprobs[i], st.finish[i], st.stop_reasons[i]) for i, r in enumerate(st.seqs)]
+        r0 = st.seqs[0]
+        m = RequestMetrics(st.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
+                           time.monotonic() if st.finished else None, sum(r.num_preemptions for r in st.seqs))
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
+                             max(0, r0.num_cached_tokens), m)
+
+    def _record_stats(self, so: SchedulerOutput, ro: RunnerOutput, step_s: float) -> None:
+        sch, kv, c = self.scheduler, self.kv, self.counters
+        c.steps += 1
+        c.preemptions += len(so.preempted)
+        c.prefix_queries, c.prefix_hits = kv.prefix_queries, kv.prefix_hits
+        free = kv.num_free_blocks
+        self.last_stats = StepStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            num_preempted_waiting=sum(1 for _, r in sch.waiting if r.num_preemptions),
+            num_free_blocks=free, num_used_blocks=kv.pool.num_usable_blocks - free,
+            num_cached_blocks=kv.pool.num_cached_blocks(), kv_usage=kv.usage(),
+            num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
+            num_preemptions=len(so.preempted), step_s=step_s, forward_s=ro.forward_s,
+            prepare_s=ro.prepare_s, sample_s=ro.sample_s)
+
+
+def _free_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,74 @@
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput, and per-step statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.runner.sampler import Logprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None    # the stop string or stop token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One engine step, as the scheduler and runner saw it (read by /metrics and the benchmarks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted_waiting: int = 0          # waiting because they were preempted (recompute or swap)
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    num_cached_blocks: int = 0              # blocks registered in the prefix cache (in use or evictable)
+    kv_usage: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0                # preemptions during this step
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    prepare_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Running totals since the engine started."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)     # finish reason -> count

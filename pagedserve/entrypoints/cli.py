@@ -1,0 +1,163 @@
+"""`pagedserve generate | chat | serve | kv-plan`. Engine flags are generated from EngineArgs."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+
+from pagedserve.config import EngineArgs
+
+
+def add_engine_flags(ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    g = ap.add_argument_group("engine")
+    for name, tp, default, help_ in EngineArgs.field_specs():
+        flag = "--" + name.replace("_", "-")
+        if name == "model" and positional_model:
+            ap.add_argument("model", nargs="?", default=None, help=help_)
+            continue
+        base = _base_type(tp)
+        if base is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            g.add_argument(flag, type=base, default=default, help=f"{help_} (default: {default})")
+
+
+def _base_type(tp):
+    if isinstance(tp, str):   # postponed annotations
+        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)})
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = [n for n, *_ in EngineArgs.field_specs()]
+    return EngineArgs(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})
+
+
+def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_from(ns):
+    from pagedserve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, seed=ns.sampling_seed)
+
+
+def cmd_generate(ns) -> int:
+    from pagedserve.engine.llm_engine import LLMEngine
+    eng = LLMEngine(engine_args_from(ns))
+    params = sampling_from(ns)
+    prompt = ns.prompt
+    if not ns.raw:
+        from pagedserve.tokenizer import apply_chat_template
+        prompt = {"prompt_token_ids": apply_chat_template(eng.tokenizer, [{"role": "user", "content": ns.prompt}])}
+    _stream(eng, prompt, params)
+    return 0
+
+
+def _stream(eng, prompt, params) -> str:
+    rid = eng.add_request(None, prompt, params, stream=True)
+    shown = 0
+    text = ""
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid:
+                text = out.outputs[0].text
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+    sys.stdout.write("\n")
+    return text
+
+
+def cmd_chat(ns) -> int:
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.tokenizer import apply_chat_template
+    eng = LLMEngine(engine_args_from(ns))
+    params = sampling_from(ns)
+    messages: list[dict] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("pagedserve chat: type a message, empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = apply_chat_template(eng.tokenizer, messages)
+        try:
+            reply = _stream(eng, {"prompt_token_ids": ids}, params)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_serve(ns) -> int:
+    from pagedserve.entrypoints.server import run_server
+    run_server(engine_args_from(ns), ns)
+    return 0
+
+
+def cmd_kv_plan(ns) -> int:
+    from pagedserve.kv_plan import run_kv_plan
+    return run_kv_plan(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_sampling_flags(g)
+    add_engine_flags(g)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat")
+    c.add_argument("--system", default=None)
+    add_sampling_flags(c)
+    add_engine_flags(c)
+    c.set_defaults(fn=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    add_engine_flags(s, positional_model=True)
+    s.set_defaults(fn=cmd_serve)
+    k = sub.add_parser("kv-plan", help="KV-cache memory arithmetic: blocks, bytes, waste, capacity")
+    from pagedserve.kv_plan import add_kv_plan_flags
+    add_kv_plan_flags(k)
+    k.set_defaults(fn=cmd_kv_plan)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`pagedserve kv-plan`: the seed's KV-cache arithmetic for a model and a set of request lengths.
+
+bytes/token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes; a request of L tokens holds
+ceil(L / block_size) blocks; the tail of its last block is the only waste. A contiguous reservation
+of max_len tokens per request holds max_len tokens whatever the request uses."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+MiB, GiB = 2**20, 2**30
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    live_tokens: int
+    blocks: int
+    allocated_bytes: int
+    live_bytes: int
+    tail_waste_bytes: int
+    contiguous_bytes: int
+
+
+@dataclass(slots=True)
+class KVPlan:
+    bytes_per_token: int
+    block_size: int
+    block_bytes: int
+    requests: list[RequestPlan]
+    total_blocks: int
+    total_allocated_bytes: int
+    total_live_bytes: int
+    total_tail_waste_bytes: int
+    contiguous_max_len: int
+    total_contiguous_bytes: int
+    budget_bytes: int | None
+    fit_len: int | None
+    fit_paged: int | None
+    fit_contiguous: int | None
+
+
+def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int, lengths: list[int],
+         max_len: int, budget_bytes: int | None = None, fit_len: int | None = None) -> KVPlan:
+    for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size),
+                    ("max_len", max_len)):
+        if v < 1:
+            raise ValueError(f"{name} must be positive, got {v}")
+    if any(L < 1 for L in lengths):
+        raise ValueError(f"lengths must be positive, got {lengths}")
+    per_tok = 2 * layers * kv_heads * head_dim * dtype_bytes
+    block_bytes = per_tok * block_size
+    reqs = []
+    for L in lengths:
+        blocks = -(-L // block_size)
+        reqs.append(RequestPlan(L, blocks, blocks * block_bytes, L * per_tok, blocks * block_bytes - L * per_tok,
+                                max(max_len, L) * per_tok))
+    fit_p = fit_c = None
+    if budget_bytes is not None:
+        fl = fit_len or max_len
+        fit_p = (budget_bytes // block_bytes) // -(-fl // block_size)
+        fit_c = budget_bytes // (max_len * per_tok)
+        fit_len = fl
+    return KVPlan(per_tok, block_size, block_bytes, reqs, sum(r.blocks for r in reqs),
+                  sum(r.allocated_bytes for r in reqs), sum(r.live_bytes for r in reqs),
+                  sum(r.tail_waste_bytes for r in reqs), max_len, sum(r.contiguous_bytes for r in reqs),
+                  budget_bytes, fit_len, fit_p, fit_c)
+
+
+def _mib(b: int) -> str:
+    v = b / MiB
+    return f"{v:,.2f}".rstrip("0").rstrip(".") + " MiB"
+
+
+def _size(b: int) -> str:
+    return f"{_mib(b)} ({b / GiB:,.4g} GiB)" if b >= GiB else _mib(b)
+
+
+def render(p: KVPlan) -> str:
+    lines = [f"KV bytes per token: {p.bytes_per_token:,}  (block of {p.block_size} tokens = {_mib(p.block_bytes)})",
+             "", f"{'request':>8} {'live tokens':>12} {'blocks':>7} {'allocated':>12} {'live':>12} {'tail waste':>11}"]
+    for i, r in enumerate(p.requests):
+        name = chr(ord("A") + i) if i < 26 else str(i)
+        lines.append(f"{name:>8} {r.live_tokens:>12,} {r.blocks:>7,} {_mib(r.allocated_bytes):>12} "
+                     f"{_mib(r.live_bytes):>12} {_mib(r.tail_waste_bytes):>11}")
+    lines.append(f"{'total':>8} {sum(r.live_tokens for r in p.requests):>12,} {p.total_blocks:>7,} "
+                 f"{_mib(p.total_allocated_bytes):>12} {_mib(p.total_live_bytes):>12} {_mib(p.total_tail_waste_bytes):>11}")
+    lines += ["", f"paged: {_size(p.total_allocated_bytes)} allocated for {_size(p.total_live_bytes)} live "
+              f"({_mib(p.total_tail_waste_bytes)} tail waste, "
+              f"{100 * p.total_tail_waste_bytes / max(1, p.total_allocated_bytes):.2f}%)",
+              f"contiguous reservation of {p.contiguous_max_len:,} tokens per request: {_size(p.total_contiguous_bytes)} "
+              f"({100 * (1 - p.total_live_bytes / max(1, p.total_contiguous_bytes)):.1f}% of it unused)"]
+    if p.budget_bytes is not None:
+        lines.append(f"in {_size(p.budget_bytes)}: {p.fit_paged:,} requests of {p.fit_len:,} tokens fit paged, "
+                     f"{p.fit_contiguous:,} with contiguous {p.contiguous_max_len:,}-token reservations")
+    return "\n".join(lines)
+
+
+def add_kv_plan_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=None, help="read the shape from a model (GGUF file or HF folder); "
+                    "'default' for the bundled model")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--lengths", default="3900,420,2100,70", help="comma-separated request lengths in tokens")
+    ap.add_argument("--max-len", type=int, default=4096, help="contiguous reservation per request")
+    ap.add_argument("--budget", default=None, help="memory for the KV pool, e.g. 8GiB: how many requests fit")
+    ap.add_argument("--fit-len", type=int, default=None, help="request length for --budget (default: --max-len)")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run_kv_plan(ns) -> int:
+    from pagedserve.config import parse_bytes
+    layers, kv_heads, head_dim = ns.layers, ns.kv_heads, ns.head_dim
+    if ns.model is not None:
+        from pagedserve.model.loader import read_model_config, resolve_model
+        cfg = read_model_config(resolve_model(None if ns.model == "default" else ns.model))
+        layers, kv_heads, head_dim = layers or cfg.num_layers, kv_heads or cfg.num_kv_heads, head_dim or cfg.head_dim
+    missing = [f"--{n}" for n, v in (("layers", layers), ("kv-heads", kv_heads), ("head-dim", head_dim)) if v is None]
+    if missing:
+        raise ValueError(f"kv-plan needs --model or {', '.join(missing)}")
+    try:
+        lengths = [int(x) for x in ns.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths must be comma-separated integers, got {ns.lengths!r}") from None
+    budget = parse_bytes(ns.budget, "--budget") if ns.budget else None
+    p = plan(layers, kv_heads, head_dim, DTYPE_BYTES[ns.dtype], ns.block_size, lengths, ns.max_len, budget, ns.fit_len)
+    print(json.dumps(asdict(p), indent=2) if ns.json else render(p))
+    return 0

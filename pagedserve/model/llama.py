@@ -1,0 +1,110 @@
+"""A Llama-family decoder over one flattened token batch and a paged KV cache.
+
+RMSNorm, RoPE (optionally llama3-scaled), SwiGLU MLP, grouped-query attention, tied or untied
+LM head. q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pagedserve.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    return inv
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.hd, self.eps = cfg.num_heads, cfg.num_kv_heads, hd, cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.empty(h))
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        self.mlp_norm = nn.Parameter(torch.empty(h))
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, self.eps))
+        n_qk = self.n_heads + self.n_kv
+        qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
+        qk = qk * cos + _rotate_half(qk) * sin                  # RoPE on q and k at once
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
+        v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
+        write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, md, 1.0 / math.sqrt(self.hd))
+        x = x + self.o_proj(o.reshape(T, -1))
+        gate, up = self.gate_up_proj(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns hidden states of every row; compute_logits() runs the LM head on the few
+    rows that will sample."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]               # (T, 1, hd)
+        dt = self.embed_tokens.weight.dtype
+        return emb.cos().to(dt), emb.sin().to(dt)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                   # (T, hidden)
+        cos, sin = self.rope(positions)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, md)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()

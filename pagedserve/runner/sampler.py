@@ -1,0 +1,131 @@
+"""Sampling, vectorised over the rows that sample this step: penalties, temperature, top-k, top-p,
+min-p, per-request seeded generators, logprobs with ranks. Greedy rows take the argmax."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.core.request import Request
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, Logprob] | None = None     # sampled token + top-k, vLLM's shape
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.req_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.req_generators.pop(request_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.generator_seed is None:
+            return None
+        g = self.req_generators.get(req.request_id)
+        if g is None:
+            g = self.req_generators[req.request_id] = torch.Generator().manual_seed(req.generator_seed)
+        return g
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+        """logits: (R, V) float32, one row per sample to draw (a request may own several rows)."""
+        params = [r.params for r in reqs]
+        want_lp = [p.logprobs for p in params]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
+        logits = self._apply_penalties(logits, reqs)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, reqs, greedy)
+        ids = tokens.tolist()
+        out = [SampledToken(t) for t in ids]
+        if raw_lp is not None:
+            for i, k in enumerate(want_lp):
+                if k is not None:
+                    out[i].logprobs = _logprobs(raw_lp[i], ids[i], k)
+        return out
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        need_pen = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
+                    or r.params.presence_penalty or r.params.frequency_penalty]
+        need_min = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        if not need_pen and not need_min:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[1]
+        for i in need_pen:
+            p, r = reqs[i].params, reqs[i]
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = seen[seen < V]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=V)[:V].float()
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        for i in need_min:   # min_tokens: EOS and stop tokens are not allowed yet
+            r = reqs[i]
+            banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < V]
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)]).unsqueeze(1)
+        x = logits / temp
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        if any(top_k) or any(tp < 1.0 for tp in top_p):
+            x = _top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            mp = torch.tensor(min_p).unsqueeze(1)
+            probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+        # exponential race: argmax(p / q), q ~ Exp(1), draws one sample from p; per-request
+        # generators make a seeded request's draws independent of whatever else is in the batch.
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            g = self._generator(r)
+            if g is not None:
+                q[i].exponential_(generator=g)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    srt, idx = x.sort(dim=-1, descending=True)
+    V = x.shape[1]
+    pos = torch.arange(V).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else V for k in top_k]).unsqueeze(1)
+    srt = srt.masked_fill(pos >= k, float("-inf"))
+    p = torch.tensor(top_p).unsqueeze(1)
+    probs = torch.softmax(srt, dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) > p        # keep the smallest prefix whose mass reaches top_p
+    srt = srt.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, idx, srt)
+
+
+def _logprobs(lp: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+    chosen = lp[token].item()
+    out = {token: Logprob(chosen, int((lp > chosen).sum().item()) + 1)}
+    if k:
+        vals, ids = lp.topk(k)
+        for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+            if t not in out:
+                out[t] = Logprob(v, rank)
+    return out

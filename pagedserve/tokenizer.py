@@ -1,0 +1,80 @@
+"""Tokenizer glue: load the model's own tokenizer and chat template (from the GGUF metadata or
+the HF folder), and detokenize incrementally so streamed text is right across multi-byte UTF-8
+characters split over several tokens."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from pagedserve.model.loader import ModelLoadError, ModelSource
+
+
+def _cache_dir(src: ModelSource) -> str:
+    st = os.stat(src.path)
+    key = hashlib.sha256(f"{os.path.realpath(src.path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
+    return os.path.join(root, "tokenizers", key)
+
+
+def load_tokenizer(src: ModelSource):
+    """A transformers tokenizer. A GGUF's vocabulary is converted once (slow: ~10 s for 49k tokens)
+    and the result cached on disk, keyed by the file's path, size and mtime."""
+    from transformers import AutoTokenizer
+    try:
+        if src.kind == "hf":
+            return AutoTokenizer.from_pretrained(src.path)
+        cache = _cache_dir(src)
+        if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+            return AutoTokenizer.from_pretrained(cache)
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path))
+        try:
+            tok.save_pretrained(cache)
+        except OSError:
+            pass  # a read-only home only costs the conversion next time
+        return tok
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer for {src.path}: {e}") from e
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    if not tokenizer.chat_template:
+        raise ValueError("messages: this model has no chat template; use a plain prompt instead")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):   # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window [prefix_offset:] and compares it with the window without the newest
+    tokens; text ending in U+FFFD is an incomplete UTF-8 character, so it waits for more tokens.
+    """
+
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_special")
+
+    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:]) if prompt_ids else []   # context for leading spaces
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.skip_special = skip_special_tokens
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""

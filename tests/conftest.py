@@ -1,0 +1,68 @@
+"""Shared fixtures. Loading a model costs seconds, so the default model, its HF reference and one
+engine are session-scoped and shared by every test that can share them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    from pagedserve.model.loader import resolve_model
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_source):
+    from pagedserve.model.loader import load_model
+    return load_model(default_source)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_source):
+    from pagedserve.tokenizer import load_tokenizer
+    return load_tokenizer(default_source)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_source):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_source.path),
+                                             gguf_file=os.path.basename(default_source.path), dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine for tests that only read outputs (they must leave it idle)."""
+    from pagedserve import LLM
+    return LLM(num_kv_blocks=1024, block_size=16)
+
+
+CHAT_PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers and explain what a prime number is.",
+    "Translate 'good morning, my friend' into Spanish and German.",
+    "Summarise the plot of Romeo and Juliet for a ten-year-old, in a short paragraph, mentioning the two "
+    "families, the balcony scene and how the story ends.",
+    "You are reviewing code. A function adds two numbers but is called with strings, so it concatenates "
+    "them instead. Describe the bug, propose a fix in Python with type checks, and explain how a unit "
+    "test would catch it. Keep the answer under one hundred words please, and use a numbered list.",
+    "How many legs does a spider have?",
+    "Give me a short motivational quote.",
+    "What is 12 times 12?",
+    "Name a famous painting by Leonardo da Vinci and describe it briefly.",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(tokenizer):
+    from pagedserve.tokenizer import apply_chat_template
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -1,0 +1,50 @@
+"""Run a model over hand-built batches through the real runner input path."""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.runner.model_runner import ModelRunner
+from pagedserve.sampling_params import SamplingParams
+
+
+def make_request(rid: str, ids: list[int]) -> Request:
+    return Request(rid, list(ids), SamplingParams(), max_tokens=1)
+
+
+def forward_all_rows(runner: ModelRunner, chunks: list[tuple[Request, int, int, list[int]]]) -> torch.Tensor:
+    """chunks: (request, start, num_tokens, block_ids). Returns logits of every row (T, V)."""
+    so = SchedulerOutput(seqs=[ScheduledSeq(r, s, n, b, False) for r, s, n, b in chunks])
+    so.seqs.sort(key=lambda s: s.num_tokens != 1)
+    with torch.inference_mode():
+        ids, pos, md, _, _ = runner.prepare(so)
+        hidden = runner.model(ids, pos, runner.kv_caches, md)
+        return runner.model.compute_logits(hidden)
+
+
+def blocks_for(first: int, n_tokens: int, bs: int) -> list[int]:
+    return list(range(first, first + -(-n_tokens // bs)))
+
+
+def hf_greedy(hf_model, ids: list[int], n: int):
+    """HF's greedy continuation of n tokens (EOS ignored) and its per-step log-probabilities."""
+    with torch.inference_mode():
+        x = torch.tensor([ids])   # an explicit mask: HF would otherwise mask prompt tokens equal to pad_token_id
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    toks = out.sequences[0, len(ids):].tolist()
+    lps = [torch.log_softmax(l[0].float(), -1) for l in out.logits]
+    return toks, lps
+
+
+def assert_greedy_match(ours: list[int], ref: list[int], ref_logprobs, tol: float = 1e-3) -> None:
+    """Token-for-token equality; a mismatch is accepted only as a numerical near-tie: at the first
+    differing position both tokens' reference logprobs must differ by less than `tol` (vLLM's
+    check_logprobs_close rule); the sequences legitimately diverge after it."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            gap = abs(ref_logprobs[i][a].item() - ref_logprobs[i][b].item())
+            assert gap < tol, f"position {i}: ours {a} vs HF {b}, logprob gap {gap:.2e} (not a near-tie)"
+            return
+    assert len(ours) == len(ref)
