@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import paged_decode_attention
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -37,6 +39,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (D,) int32: keys each decode token attends to
     decode_mask: torch.Tensor | None = None          # (D, 1, 1, max_blocks * block_size) bool: True = attend
     prefills: list[PrefillSeq] = field(default_factory=list)
+    use_native: bool = False                         # decode attention by the C kernel (no gather copy)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -60,7 +63,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _decode_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    # One batched gather for all decode rows: (D, max_blocks, bs, n_kv, hd) -> (D, n_kv, S, hd)
+    if md.use_native and q.dtype == torch.float32 and q.device.type == "cpu":
+        return paged_decode_attention(q.contiguous(), k_cache, v_cache, md.decode_block_tables,
+                                      md.decode_context_lens, scale)
+    # Fallback: one batched gather for all decode rows (copies each context; the kernel does not): (D, max_blocks, bs, n_kv, hd) -> (D, n_kv, S, hd)
     k = k_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=md.decode_mask,

@@ -3,6 +3,7 @@ dtype) or an HF folder (config.json + *.safetensors). Weights are built on the m
 attached with assign=True, so nothing is allocated twice."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -66,8 +67,22 @@ def resolve_model(model: str | None) -> ModelSource:
                          "folder with config.json and *.safetensors)")
 
 
+_LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
+
+
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
+    process share one loaded copy per (file, dtype, device)."""
+    st = os.stat(src.path)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device)
+    if key not in _LOADED:
+        _LOADED[key] = _load_model(src, dtype, device)
+    model, cfg = _LOADED[key]
+    return model, copy.copy(cfg)
+
+
+def _load_model(src: ModelSource, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg, weights = _read_gguf(src.path, dtype) if src.kind == "gguf" else _read_hf(src.path, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.kernels import native_lib
 from pagedserve.model.attention import AttentionMetadata, PrefillSeq
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.runner.sampler import SampledToken, Sampler
@@ -35,6 +36,7 @@ class ModelRunner:
         host_shape = (cfg.num_layers, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu")
         self.sampler = Sampler(seed)
+        self.use_native = self.device.type == "cpu" and self.dtype == torch.float32 and native_lib() is not None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -88,13 +90,14 @@ class ModelRunner:
                 logit_rows.extend([row0 + n - 1] * k)
                 row_reqs.extend([req] * k)
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
-                               num_decodes=len(dec_lens))
+                               num_decodes=len(dec_lens), use_native=self.use_native)
         if dec_lens:
             width = max(len(t) for t in dec_tables)
             md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
             lens = torch.tensor(dec_lens, dtype=torch.long)
             md.decode_context_lens = lens
-            md.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            if not self.use_native:
+                md.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, row_reqs)
 
     # ------------------------------------------------------------ the step

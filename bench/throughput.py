@@ -1,0 +1,99 @@
+"""Offline throughput on a shared workload (../shared/bench/workload.py), pagedserve next to HF
+transformers' continuous batching (hf_cb.py) and static batching (hf_static.py, batch 16), run one
+after the other in this one invocation; prints each RESULT and the ratios.
+
+Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num-batched-tokens N] ...
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
+
+
+def load_workload(name: str) -> list[dict]:
+    sys.path.insert(0, SHARED)
+    import workload
+    return workload.make(name)
+
+
+def run_ours(reqs, args) -> dict:
+    import torch
+    from pagedserve import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              long_prefill_token_threshold=args.chunk)
+    load_s = time.perf_counter() - t0
+    eng = llm.engine
+    llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    steps = []
+    t = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
+                        SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True))
+    got = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+        steps.append(eng.last_stats)
+    wall = time.perf_counter() - t
+    ok = all(got.get(r["id"]) == r["max_tokens"] for r in reqs)
+    p_tok = sum(len(r["prompt_token_ids"]) for r in reqs)
+    o_tok = sum(r["max_tokens"] for r in reqs)
+    step_s = sum(s.step_s for s in steps)
+    fwd_s = sum(s.forward_s for s in steps)
+    busy = [s for s in steps if s.num_running >= 48]
+    busy_out = (sum(s.step_s - s.forward_s for s in busy) / max(1e-9, sum(s.step_s for s in busy))) if busy else None
+    return {"engine": "pagedserve", "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
+            "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
+            "total_tok_s": round((p_tok + o_tok) / wall, 2), "token_counts_ok": ok, "steps": len(steps),
+            "share_outside_forward": round(1 - fwd_s / step_s, 3),
+            "share_outside_forward_at_48plus_running": None if busy_out is None else round(busy_out, 3),
+            "max_running": max(s.num_running for s in steps), "preemptions": sum(s.num_preemptions for s in steps),
+            "max_num_batched_tokens": args.max_num_batched_tokens, "chunk": args.chunk,
+            "threads": torch.get_num_threads()}
+
+
+def run_baseline(script: str, wl_path: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, os.path.join(SHARED, script), wl_path, *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"engine": script, "error": p.stderr[-2000:]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="mixed64")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=256)
+    a = ap.parse_args()
+    reqs = load_workload(a.workload)
+    results = [run_ours(reqs, a)]
+    print("RESULT " + json.dumps(results[0]), flush=True)
+    if not a.no_baselines:
+        wl_path = os.path.join("/tmp", f"{a.workload}.jsonl")
+        with open(wl_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in reqs)
+        for script, extra in (("hf_cb.py", []), ("hf_static.py", ["16"])):
+            r = run_baseline(script, wl_path, extra)
+            results.append(r)
+            print("RESULT " + json.dumps(r), flush=True)
+        ours = results[0]["output_tok_s"]
+        for r in results[1:]:
+            if "output_tok_s" in r:
+                print(f"RATIO pagedserve / {r['engine']}: {ours / r['output_tok_s']:.2f}x output tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Sampling semantics, sharing for n > 1 and beam search, and parameter validation."""
+import pytest
+
+from pagedserve import LLM, BeamSearchParams, SamplingParams
+
+PROMPT = {"prompt_token_ids": list(range(1000, 1040))}
+
+
+def test_n4_shares_prompt_blocks(llm):
+    eng = llm.engine
+    prompt = {"prompt_token_ids": list(range(2000, 2100))}         # 100 tokens: 6 full blocks + a partial
+    peak, saved = 0, 0
+    eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+        used = eng.kv.pool.num_usable_blocks - eng.kv.num_free_blocks
+        peak = max(peak, used)
+        saved = max(saved, eng.kv.num_shared_savings())
+    out = outs[-1]
+    assert len(out.outputs) == 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    independent = 4 * -(-(100 + 8) // 16)                        # 4 private copies: 28 blocks
+    assert peak <= 7 + 3 and peak < independent                   # 6 shared full blocks + 4 private tails
+    assert saved == 3 * 7        # right after the fork all 7 prompt blocks have refcount 4 (the partial one until CoW)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+
+
+def test_beam_search_width1_equals_greedy_and_shares_blocks(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    beam1 = llm.beam_search([PROMPT], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))[0]
+    assert beam1.outputs[0].token_ids == greedy.outputs[0].token_ids
+    long_prompt = {"prompt_token_ids": list(range(3000, 3100))}
+    out = llm.beam_search([long_prompt], BeamSearchParams(beam_width=4, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs) == 4
+    independent = 4 * -(-(100 + 4) // 16)
+    assert llm.beam_peak_blocks < independent                     # beams share the prompt's cached blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+
+
+def test_use_beam_search_through_generate(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=2, use_beam_search=True, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids != out.outputs[1].token_ids
+
+
+def test_seeded_sampling_alone_and_in_a_busy_batch(llm):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": list(range(500 + 7 * i, 530 + 7 * i))} for i in range(6)]
+    busy = llm.generate(others[:3] + [PROMPT] + others[3:],
+                        [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 3 + [sp] +
+                        [SamplingParams(max_tokens=12)] * 3, use_tqdm=False)
+    assert busy[3].outputs[0].token_ids == alone
+
+
+def test_stop_strings_truncate_and_stop_tokens(llm):
+    free = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    word = free.text.strip().split()[1] if len(free.text.split()) > 1 else free.text.strip()[:3]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, stop=[word], ignore_eos=True), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == word and word not in o.text
+    assert free.text.startswith(o.text)
+    tok = free.token_ids[3]
+    o2 = llm.generate([PROMPT], SamplingParams(max_tokens=20, stop_token_ids=[tok], ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0]
+    assert o2.token_ids == free.token_ids[: free.token_ids.index(tok) + 1] and o2.stop_reason == tok
+
+
+def test_min_tokens_and_logprobs(llm):
+    eos = llm.engine.eos_token_ids[0]
+    o = llm.generate([PROMPT], SamplingParams(max_tokens=10, min_tokens=10, stop_token_ids=[eos], logprobs=3),
+                     use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) == 10 and len(o.logprobs) == 10
+    for tok, lp in zip(o.token_ids, o.logprobs):
+        assert tok in lp and lp[tok].rank == 1            # greedy: the chosen token ranks first
+        assert sorted(v.rank for k, v in lp.items() if k != tok) == [2, 3] or len(lp) == 3
+    assert abs(o.cumulative_logprob - sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs))) < 1e-4
+
+
+def test_penalties_change_output(llm):
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    pen = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.8,
+                                                frequency_penalty=1.5, presence_penalty=1.0),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(set(pen.token_ids)) >= len(set(base.token_ids)) and pen.token_ids != base.token_ids
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
+    ("seed", "x"), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
+    ("prompt_logprobs", 1), ("best_of", 0), ("length_penalty", "a"), ("temperature", float("nan")),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_over_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_bad_prompts_and_engine_args(llm):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [10 ** 9]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 10}], SamplingParams(max_tokens=10 ** 6), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    from pagedserve import EngineArgs
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(block_size=0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineArgs(preemption_mode="drop")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineArgs(kv_cache_memory="lots")
