@@ -1,0 +1,109 @@
+"""Prometheus metrics, named in vLLM's style under our own prefix. They answer the seed's two
+operator questions: "free memory but requests wait" (KV blocks free/used/cached, max_num_seqs,
+max_num_batched_tokens, bytes for weights/KV/workspace) and "p99 inter-token latency spikes when a
+long prompt arrives" (prefill vs decode tokens per step, inter-token latency histogram)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+P = "pagedserve:"
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOK = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        r = self.registry = CollectorRegistry()
+        g = lambda n, d: Gauge(P + n, d, registry=r)                     # noqa: E731
+        c = lambda n, d, **kw: Counter(P + n, d, registry=r, **kw)       # noqa: E731
+        h = lambda n, d, b: Histogram(P + n, d, buckets=b, registry=r)   # noqa: E731
+        self.running = g("num_requests_running", "Requests in the running batch")
+        self.waiting = g("num_requests_waiting", "Requests in the waiting queue")
+        self.preempted = g("num_requests_preempted", "Waiting requests that were preempted (recompute or swap)")
+        self.blocks_total = g("kv_blocks_total", "Usable KV blocks in the pool")
+        self.blocks_free = g("kv_blocks_free", "Free KV blocks (including evictable prefix-cache blocks)")
+        self.blocks_cached = g("kv_blocks_cached", "KV blocks registered in the prefix cache")
+        self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.shared = g("kv_blocks_saved_by_sharing", "Blocks that sharing (n > 1, prefix hits) saved")
+        g("weights_bytes", "Bytes of model weights").set(engine.weights_bytes)
+        g("kv_cache_bytes", "Bytes of the preallocated KV pool").set(engine.kv_cache_bytes)
+        g("workspace_bytes", "Estimated bytes of activations/workspace at the step budget").set(engine.workspace_bytes)
+        g("block_size", "Tokens per KV block").set(engine.args.block_size)
+        g("max_num_seqs", "Configured max_num_seqs").set(engine.args.max_num_seqs)
+        g("max_num_batched_tokens", "Configured token budget per step").set(engine.args.max_num_batched_tokens)
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = c("num_preemptions", "Preemptions")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = c("generation_tokens", "Tokens generated")
+        self.success = c("request_success", "Finished requests", labelnames=["finished_reason"])
+        self.ttft = h("time_to_first_token_seconds", "Time to first token", _LAT)
+        self.itl = h("inter_token_latency_seconds", "Time between two output tokens of a request", _LAT)
+        self.tpot = h("time_per_output_token_seconds", "Mean time per output token after the first, per request", _LAT)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to finish", _LAT)
+        self.queue = h("request_queue_time_seconds", "Arrival to first scheduled", _LAT)
+        self.step_prefill = h("iteration_prefill_tokens", "Prefill tokens per step", _TOK)
+        self.step_decode = h("iteration_decode_tokens", "Decode tokens per step", _TOK)
+        self.step_time = h("iteration_seconds", "Wall time of one engine step", _LAT)
+        self._last = dict(q=0, h=0, p=0, pt=0, gt=0)
+        self._tok_seen: dict[str, tuple[int, float]] = {}
+        self.blocks_total.set(engine.kv.pool.num_usable_blocks)
+        self.blocks_free.set(engine.kv.num_free_blocks)
+
+    def on_step(self, engine, outputs) -> None:
+        """Runs in the engine thread after each step."""
+        s, c = engine.last_stats, engine.counters
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.preempted.set(s.num_preempted_waiting)
+        self.blocks_free.set(s.num_free_blocks)
+        self.blocks_cached.set(s.num_cached_blocks)
+        self.kv_usage.set(s.kv_usage)
+        for key, counter, value in (("q", self.prefix_queries, c.prefix_queries), ("h", self.prefix_hits, c.prefix_hits),
+                                    ("p", self.preemptions, c.preemptions), ("pt", self.prompt_tokens, c.prompt_tokens),
+                                    ("gt", self.generation_tokens, c.generation_tokens)):
+            if value > self._last[key]:
+                counter.inc(value - self._last[key])
+                self._last[key] = value
+        if s.num_prefill_tokens:
+            self.step_prefill.observe(s.num_prefill_tokens)
+        if s.num_decode_tokens:
+            self.step_decode.observe(s.num_decode_tokens)
+        self.step_time.observe(s.step_s)
+        now = time.monotonic()
+        for out in outputs:
+            n = sum(len(o.token_ids) for o in out.outputs)
+            prev = self._tok_seen.get(out.request_id)
+            m = out.metrics
+            if prev is None and n:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            elif prev is not None and n > prev[0]:
+                self.itl.observe(now - prev[1])
+            if n:
+                self._tok_seen[out.request_id] = (n, now)
+            if out.finished:
+                self._tok_seen.pop(out.request_id, None)
+                self.finish(out)
+
+    def finish(self, out) -> None:
+        m = out.metrics
+        for o in out.outputs:
+            self.success.labels(finished_reason=o.finish_reason or "abort").inc()
+        if m is None or m.first_token_time is None:
+            return
+        self.e2e.observe((m.finished_time or time.monotonic()) - m.arrival_time)
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and m.last_token_time is not None:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
+
+    def refresh(self, engine) -> None:
+        """Cheap values read at scrape time (idle engines do not step)."""
+        self.shared.set(engine.kv.num_shared_savings())
+        self.blocks_free.set(engine.kv.num_free_blocks)
+        self.kv_usage.set(engine.kv.usage())
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))

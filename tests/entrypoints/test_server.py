@@ -1,0 +1,250 @@
+"""The server over real HTTP on a loopback port, driven by the official openai SDK."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    engine = LLMEngine(EngineArgs(num_kv_blocks=600, max_waiting_requests=40, max_num_seqs=32))
+    app = build_app(engine, api_key=API_KEY, max_body_bytes=200_000)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, app
+    srv.should_exit = True
+    t.join(timeout=10)
+    app.state.aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def wait_idle(engine, timeout=10.0):
+    t = time.time()
+    while time.time() - t < timeout:
+        if not engine.has_unfinished_requests():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def metric(base, name, labels=""):
+    text = httpx.get(base + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.split()[-1])
+    return None
+
+
+def test_models_and_health(server, client):
+    assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model="m", prompt="The three primary colours are", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and len(full.choices[0].text) > 0
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model="m", messages=[{"role": "user", "content": "Name two planets."}], max_tokens=30, temperature=0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    assert full.choices[0].finish_reason in ("stop", "length")
+
+
+def test_n2_stop_and_logprobs(client):
+    r = client.completions.create(model="m", prompt="Once upon a time", max_tokens=10, n=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert len(r.choices) == 2 and r.usage.completion_tokens <= 20
+    base = client.completions.create(model="m", prompt="Once upon a time", max_tokens=16, temperature=0)
+    words = base.choices[0].text.split()
+    stop = words[2]
+    s = client.completions.create(model="m", prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
+    assert s.choices[0].finish_reason == "stop" and stop not in s.choices[0].text
+    assert base.choices[0].text.startswith(s.choices[0].text)
+    lp = client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    l = lp.choices[0].logprobs
+    assert len(l.tokens) == len(l.token_logprobs) == 6 == lp.usage.completion_tokens
+    assert "".join(l.tokens) == lp.choices[0].text
+    for tok_lp, tops in zip(l.token_logprobs, l.top_logprobs):
+        assert tok_lp <= 0 and abs(max(tops.values()) - tok_lp) < 1e-5     # greedy: the chosen one is the top
+    c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    assert len(c.choices[0].logprobs.content) == c.usage.completion_tokens
+    assert all(len(x.top_logprobs) == 3 for x in c.choices[0].logprobs.content)
+
+
+def test_usage_exact_and_cached_tokens(client, server):
+    long = "Paged attention keeps the KV cache in fixed-size blocks. " * 8
+    a = client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    tok = server[1].tokenizer
+    assert a.usage.prompt_tokens == len(tok(long)["input_ids"]) and a.usage.completion_tokens == 3
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_metrics_follow_requests(server, client):
+    base, engine, _ = server
+    assert wait_idle(engine)
+    ttft0 = metric(base, "pagedserve:time_to_first_token_seconds_count") or 0
+    gen0 = metric(base, "pagedserve:generation_tokens_total") or 0
+    n_tok = 0
+    for i in range(3):
+        r = client.completions.create(model="m", prompt=f"Count to {i + 3}:", max_tokens=5 + i, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        n_tok += r.usage.completion_tokens
+    assert wait_idle(engine)
+    time.sleep(0.1)
+    assert metric(base, "pagedserve:time_to_first_token_seconds_count") - ttft0 == 3
+    assert metric(base, "pagedserve:generation_tokens_total") - gen0 == n_tok
+    assert metric(base, "pagedserve:num_requests_running") == 0
+    assert metric(base, "pagedserve:num_requests_waiting") == 0
+    assert metric(base, "pagedserve:kv_cache_usage_perc") == 0.0
+    assert metric(base, "pagedserve:max_num_seqs") == 32
+    assert metric(base, "pagedserve:kv_blocks_total") == 599
+    dbg = httpx.get(base + "/debug/scheduler").json()
+    assert dbg["running"] == [] and dbg["kv"]["blocks_free"] == 599
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    base, engine, _ = server
+    assert wait_idle(engine)
+    free0 = engine.kv.num_free_blocks
+    with httpx.stream("POST", base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": "Write a very long essay about the ocean.", "max_tokens": 2000,
+                            "ignore_eos": True, "stream": True}, timeout=30) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break
+        assert engine.has_unfinished_requests()
+    t = time.time()
+    while engine.has_unfinished_requests() and time.time() - t < 1.0:
+        time.sleep(0.02)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == free0
+
+
+def test_disconnect_non_stream_aborts(server):
+    base, engine, _ = server
+    assert wait_idle(engine)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True}, timeout=0.5)
+    assert wait_idle(engine, timeout=2.0)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 2}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt_token_ids"),
+])
+def test_bad_fields_give_400_naming_them(server, body, field):
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in err["message"] and err["code"] == 400
+
+
+def test_prompt_over_max_model_len_and_malformed_and_oversized(server):
+    base, engine, _ = server
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(base + "/v1/completions", json={"prompt": [5] * 100, "max_tokens": 10 ** 5}, headers=h)
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", content=b"{not json", headers=h | {"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", content=b"x" * 300_000, headers=h | {"content-type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": []}, headers=h)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert httpx.get(base + "/health").status_code == 200        # still serving
+
+
+def test_wrong_or_missing_key_is_401(server):
+    base = server[0]
+    assert httpx.get(base + "/v1/models").status_code == 401
+    assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="m", prompt="x", max_tokens=1)
+
+
+def test_503_when_waiting_queue_full(server):
+    base, engine, _ = server
+    assert wait_idle(engine)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            reqs = [c.post(base + "/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 40,
+                                                          "ignore_eos": True}) for i in range(90)]
+            return await asyncio.gather(*reqs)
+    codes = [r.status_code for r in asyncio.run(go())]
+    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+    assert wait_idle(engine, timeout=60)
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_usable_blocks
+
+
+def test_32_concurrent_streams(server):
+    base, engine, _ = server
+    assert wait_idle(engine)
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0)
+
+    async def one(i):
+        n = 8 + i % 9
+        stream = await client.completions.create(model="m", prompt=f"Item {i}:", max_tokens=n, stream=True,
+                                                 temperature=0, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        usage = None
+        async for c in stream:
+            if c.usage:
+                usage = c.usage
+        return n, usage.completion_tokens
+
+    async def all_():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+    res = asyncio.run(all_())
+    assert all(n == got for n, got in res)
+    assert wait_idle(engine)
