@@ -203,30 +203,36 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs],
                 "usage": usage(out)}
 
-    async def _completion_stream(rid, created, first, gen, body):
+    async def _stream_deltas(first, gen, body, wrap, choice):
+        """One chunk per sequence whose text grew (or that just finished), then the usage chunk."""
         sent: dict[int, tuple[int, int, bool]] = {}
-        out = first
 
-        def chunks(o_: RequestOutput):
-            for o in o_.outputs:
+        async def outputs():
+            yield first
+            if not first.finished:
+                async for o in gen:
+                    yield o
+
+        out = first
+        async for out in outputs():
+            for o in out.outputs:
                 n_text, n_tok, done = sent.get(o.index, (0, 0, False))
                 if done or (len(o.text) == n_text and o.finish_reason is None):
                     continue
                 sent[o.index] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
-                yield {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                       "choices": [{"index": o.index, "text": o.text[n_text:],
-                                    "logprobs": completion_logprobs(o, n_tok),
-                                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
-
-        for c in chunks(first):
-            yield c
-        if not first.finished:
-            async for out in gen:
-                for c in chunks(out):
-                    yield c
+                yield wrap([choice(o, n_text, n_tok)])
         if body.stream_options and body.stream_options.include_usage:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": [],
-                   "usage": usage(out)}
+            yield wrap([]) | {"usage": usage(out)}
+
+    def _completion_stream(rid, created, first, gen, body):
+        def wrap(choices):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": choices}
+
+        def choice(o, n_text, n_tok):
+            return {"index": o.index, "text": o.text[n_text:], "logprobs": completion_logprobs(o, n_tok),
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        return _stream_deltas(first, gen, body, wrap, choice)
 
     # ------------------------------------------------------------ /v1/chat/completions
     @app.post("/v1/chat/completions")
@@ -254,34 +260,19 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
                 "usage": usage(out)}
 
     async def _chat_stream(rid, created, first, gen, body, top):
-        sent: dict[int, tuple[int, int, bool]] = {}
-        out = first
-
-        def chunk(choices):
+        def wrap(choices):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": choices}
 
+        def choice(o, n_text, n_tok):
+            return {"index": o.index, "delta": {"content": o.text[n_text:]},
+                    "logprobs": chat_logprobs(o, n_tok, top), "finish_reason": o.finish_reason}
+
         for i in range(body.n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-
-        def deltas(o_: RequestOutput):
-            for o in o_.outputs:
-                n_text, n_tok, done = sent.get(o.index, (0, 0, False))
-                if done or (len(o.text) == n_text and o.finish_reason is None):
-                    continue
-                sent[o.index] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
-                yield chunk([{"index": o.index, "delta": {"content": o.text[n_text:]},
-                              "logprobs": chat_logprobs(o, n_tok, top), "finish_reason": o.finish_reason}])
-
-        for c in deltas(first):
+            yield wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+        async for c in _stream_deltas(first, gen, body, wrap, choice):
             yield c
-        if not first.finished:
-            async for out in gen:
-                for c in deltas(out):
-                    yield c
-        if body.stream_options and body.stream_options.include_usage:
-            yield chunk([]) | {"usage": usage(out)}
 
     return app
 

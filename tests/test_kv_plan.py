@@ -1,0 +1,51 @@
+"""kv-plan reproduces the seed's worked example exactly."""
+import json
+
+from pagedserve.entrypoints.cli import main
+from pagedserve.kv_plan import plan
+
+MiB = 2**20
+
+
+def test_seed_table_exactly():
+    p = plan(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16, lengths=[3900, 420, 2100, 70],
+             max_len=4096)
+    assert p.bytes_per_token == 131_072
+    assert [r.blocks for r in p.requests] == [244, 27, 132, 5]
+    assert [r.allocated_bytes / MiB for r in p.requests] == [488, 54, 264, 10]
+    assert p.total_blocks == 408
+    assert p.total_allocated_bytes / MiB == 816
+    assert p.total_live_bytes / MiB == 811.25
+    assert p.total_tail_waste_bytes / MiB == 4.75
+    assert p.total_contiguous_bytes == 2 * 2**30
+    assert [r.contiguous_bytes / MiB for r in p.requests] == [512] * 4
+
+
+def test_cli_text_and_json(capsys):
+    args = ["kv-plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "fp16",
+            "--block-size", "16", "--lengths", "3900,420,2100,70", "--max-len", "4096"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    for s in ("131,072", "244", "27", "132", "488 MiB", "54 MiB", "264 MiB", "10 MiB", "408", "816 MiB",
+              "811.25 MiB", "4.75 MiB", "2 GiB"):
+        assert s in text, s
+    assert main(args + ["--json", "--budget", "8GiB"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["total_blocks"] == 408 and d["total_contiguous_bytes"] == 2**31
+    assert d["fit_paged"] == 16 and d["fit_contiguous"] == 16
+
+
+def test_capacity_with_a_budget():
+    p = plan(32, 8, 128, 2, 16, [70], max_len=4096, budget_bytes=2**30, fit_len=420)
+    # 1 GiB = 512 blocks of 2 MiB; a 420-token request holds 27 blocks -> 18 fit; contiguous 4096 -> 2 fit
+    assert (p.fit_paged, p.fit_contiguous) == (18, 2)
+
+
+def test_bad_input(capsys):
+    assert main(["kv-plan", "--layers", "32"]) == 2
+    assert "--kv-heads" in capsys.readouterr().err
+
+
+def test_kv_plan_reads_the_default_model(capsys):
+    assert main(["kv-plan", "--model", "default", "--dtype", "fp32", "--lengths", "100"]) == 0
+    assert "46,080" in capsys.readouterr().out     # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
