@@ -15,6 +15,16 @@ from pagedserve.model.attention import AttentionMetadata, paged_attention, write
 from pagedserve.model.config import ModelConfig
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T. For decode-sized batches (2..128 rows) MKL computes (w @ x.T).T up to 3x faster than
+    F.linear on this CPU (e.g. 3 rows x the 49152-row LM head: 10 ms vs 31 ms); one row and
+    prefill-sized batches are fastest through F.linear."""
+    if not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
+        return F.linear(x, w, b)
+    y = (w @ x.t()).t().contiguous()
+    return y if b is None else y + b
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -59,7 +69,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, self.eps))
+        qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias)
         n_qk = self.n_heads + self.n_kv
         qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
         qk = qk * cos + _rotate_half(qk) * sin                  # RoPE on q and k at once
@@ -67,9 +77,9 @@ class DecoderLayer(nn.Module):
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
         write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md, 1.0 / math.sqrt(self.hd))
-        x = x + self.o_proj(o.reshape(T, -1))
-        gate, up = self.gate_up_proj(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + linear(o.reshape(T, -1), self.o_proj.weight)
+        gate, up = linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up_proj.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,4 +117,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        return linear(h, w).float()
