@@ -63,7 +63,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_preemptions = 0
-        self.static_batch: set[str] = set()       # static policy: ids of the batch in flight
+        self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -146,10 +146,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if self.cfg.policy == "static" and self.static_batch:
-            return                                    # static batching: admit only when the batch is done
+        static = self.cfg.policy == "static"
+        if static and not self.static_batch:
+            # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
+            # admitted until its last member finishes (members still join as budget and blocks allow)
+            self.static_batch = {r.request_id for _, r in heapq.nsmallest(self.cfg.max_num_seqs, self.waiting)}
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0][1]
+            if static and req.request_id not in self.static_batch:
+                break
             if req.status is RequestStatus.SWAPPED:
                 if not self.kv.swap_in(req):
                     break
@@ -175,8 +180,6 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=_sort_key)
-            if self.cfg.policy == "static":
-                self.static_batch.add(req.request_id)
             self._add(out, req, n)
             budget -= n
 
@@ -229,7 +232,7 @@ class Scheduler:
     def waiting_reason(self, req: Request) -> str:
         """Why a waiting request is not running (for /debug/scheduler)."""
         ahead = [r for _, r in self.waiting if r.sort_key < req.sort_key]
-        if self.cfg.policy == "static" and self.static_batch:
+        if self.cfg.policy == "static" and self.static_batch and req.request_id not in self.static_batch:
             return "static batch in flight"
         if len(self.running) >= self.cfg.max_num_seqs:
             return "max_num_seqs reached"
