@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving"))
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep prefix caching on (off by default: every rate replays the same prompts, so later "
+                         "rates would hit the cache and look faster)")
     a = ap.parse_args()
     reqs = load_workload(a.workload)[: a.requests]
     with socket.socket() as s:
@@ -85,7 +88,8 @@ def main():
         port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
-                            "--num-kv-blocks", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            "--num-kv-blocks", "4096", *([] if a.prefix_caching else ["--no-enable-prefix-caching"])],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
             try:
@@ -93,6 +97,8 @@ def main():
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        with httpx.Client(timeout=120) as c:   # warm-up: first forward passes are slower
+            c.post(base + "/v1/completions", json={"prompt": reqs[0]["prompt_token_ids"], "max_tokens": 4})
         rows = []
         for i, rate in enumerate(float(x) for x in a.rates.split(",")):
             row = asyncio.run(run_rate(base, reqs, rate, a.max_tokens, seed=i))

@@ -64,6 +64,7 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.workspace_bytes = self._workspace_bytes(dtype)
         num_blocks = self._size_kv_pool(dtype)
         bytes_per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * args.block_size
         num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
@@ -76,7 +77,6 @@ class LLMEngine:
             max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed)
         self.kv_cache_bytes = self.runner.kv_cache_bytes
-        self.workspace_bytes = self._workspace_bytes(dtype)
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.states: dict[str, RequestState] = {}
@@ -98,20 +98,23 @@ class LLMEngine:
         a, c = self.args, self.model_config
         per_block = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * a.block_size
         if a.num_kv_blocks is not None:
+            log.info("memory plan: weights %.2f GiB | KV pool %.2f GiB = num_kv_blocks %d x %d tokens",
+                     self.weights_bytes / GiB, a.num_kv_blocks * per_block / GiB, a.num_kv_blocks, a.block_size)
             return a.num_kv_blocks
         if a.kv_cache_memory is not None:
             budget = parse_bytes(a.kv_cache_memory, "kv_cache_memory")
             how = "kv_cache_memory"
         else:
             free = _free_memory_bytes(a.device)
-            budget = min(int(0.2 * free), 4 * GiB)
-            how = f"20% of {free / GiB:.1f} GiB free, at most 4 GiB"
+            budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
+            how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
         blocks = budget // per_block
         if blocks < 2:
             raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
-        log.info("memory plan: weights %.2f GiB | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens "
-                 "at %d bytes/token", self.weights_bytes / GiB, blocks * per_block / GiB, how, blocks,
-                 a.block_size, blocks * a.block_size, per_block // a.block_size)
+        log.info("memory plan: weights %.2f GiB | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
+                 "attention scratch) | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens at %d bytes/token",
+                 self.weights_bytes / GiB, self.workspace_bytes / GiB, a.max_num_batched_tokens,
+                 blocks * per_block / GiB, how, blocks, a.block_size, blocks * a.block_size, per_block // a.block_size)
         return int(blocks)
 
     # ------------------------------------------------------------ requests

@@ -189,6 +189,9 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
             prompt = prompt[0]
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
+        else:   # tokenize here, in a worker thread, not in the engine's step loop
+            ids = await asyncio.to_thread(lambda: list(engine.tokenizer(prompt)["input_ids"]))
+            prompt = {"prompt_token_ids": ids, "prompt": prompt}
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", "logprobs")
         params = _params(body, body.max_tokens, body.logprobs)
@@ -239,7 +242,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
     async def chat(body: ChatCompletionRequest, http: Request):
         try:
             msgs = [message_text(m) for m in body.messages]
-            ids = apply_chat_template(engine.tokenizer, msgs, body.add_generation_prompt)
+            ids = await asyncio.to_thread(apply_chat_template, engine.tokenizer, msgs, body.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         top = body.top_logprobs

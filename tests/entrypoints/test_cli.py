@@ -1,0 +1,31 @@
+"""The CLI: generate, chat, and flags generated from EngineArgs."""
+import builtins
+
+from pagedserve.config import EngineArgs
+from pagedserve.entrypoints.cli import build_parser, main
+
+
+def test_every_engine_arg_is_a_flag():
+    p = build_parser()
+    ns = p.parse_args(["serve", "--num-kv-blocks", "64", "--max-num-seqs", "3", "--no-enable-prefix-caching"])
+    names = [n for n, *_ in EngineArgs.field_specs()]
+    assert all(hasattr(ns, n) for n in names)
+    assert (ns.num_kv_blocks, ns.max_num_seqs, ns.enable_prefix_caching, ns.port) == (64, 3, False, 8000)
+
+
+def test_generate(capsys):
+    assert main(["generate", "What is 2+2?", "--max-tokens", "8", "--num-kv-blocks", "64"]) == 0
+    assert len(capsys.readouterr().out.strip()) > 0
+
+
+def test_chat_turns(capsys, monkeypatch):
+    lines = iter(["Hello!", "And again?", ""])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--max-tokens", "6", "--num-kv-blocks", "64"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) >= 2
+
+
+def test_bad_flag_value_is_a_clear_error(capsys):
+    assert main(["generate", "x", "--block-size", "0"]) == 2
+    assert "block_size" in capsys.readouterr().err
