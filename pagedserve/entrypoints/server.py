@@ -192,6 +192,8 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
         else:   # tokenize here, in a worker thread, not in the engine's step loop
             ids = await asyncio.to_thread(lambda: list(engine.tokenizer(prompt)["input_ids"]))
             prompt = {"prompt_token_ids": ids, "prompt": prompt}
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", "logprobs")
         params = _params(body, body.max_tokens, body.logprobs)

@@ -181,6 +181,10 @@ def test_disconnect_non_stream_aborts(server):
     ({"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt_token_ids"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
 ])
 def test_bad_fields_give_400_naming_them(server, body, field):
     r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
