@@ -3,17 +3,9 @@ the HF folder), and detokenize incrementally so streamed text is right across mu
 characters split over several tokens."""
 from __future__ import annotations
 
-import hashlib
 import os
 
-from pagedserve.model.loader import ModelLoadError, ModelSource
-
-
-def _cache_dir(src: ModelSource) -> str:
-    st = os.stat(src.path)
-    key = hashlib.sha256(f"{os.path.realpath(src.path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    return os.path.join(root, "tokenizers", key)
+from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
 
 
 def load_tokenizer(src: ModelSource):
@@ -23,7 +15,7 @@ def load_tokenizer(src: ModelSource):
     try:
         if src.kind == "hf":
             return AutoTokenizer.from_pretrained(src.path)
-        cache = _cache_dir(src)
+        cache = cache_dir(src.path, "tokenizers")
         if os.path.isfile(os.path.join(cache, "tokenizer.json")):
             return AutoTokenizer.from_pretrained(cache)
         tok = AutoTokenizer.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path))

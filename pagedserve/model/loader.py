@@ -4,6 +4,8 @@ attached with assign=True, so nothing is allocated twice."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -82,8 +84,17 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32,
     return model, copy.copy(cfg)
 
 
+def cache_dir(path: str, kind: str) -> str:
+    """Where derived artefacts of a model file live (converted tokenizer, dequantized weights); the
+    key changes when the file's path, size or mtime does. PAGEDSERVE_CACHE moves the root."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
+    return os.path.join(root, kind, key)
+
+
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, ModelConfig]:
-    cfg, weights = _read_gguf(src.path, dtype) if src.kind == "gguf" else _read_hf(src.path, dtype)
+    cfg, weights = _read_gguf_cached(src.path, dtype) if src.kind == "gguf" else _read_hf(src.path, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model.load_state_dict(_fuse(cfg, weights), assign=True, strict=True)
@@ -138,6 +149,32 @@ def _read_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torc
 def gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Parsing a GGUF in Python and dequantizing it take most of a load (~5 s + ~2 s for the default
+    model); the fp32 result is kept as safetensors and reused while the file is unchanged."""
+    from safetensors.torch import load_file, save_file
+    d = cache_dir(path, "weights")
+    wf, cf = os.path.join(d, "model.safetensors"), os.path.join(d, "config.json")
+    if os.path.isfile(wf) and os.path.isfile(cf):
+        try:
+            with open(cf) as f:
+                cfg = ModelConfig(**json.load(f))
+            return cfg, {k: v.to(dtype) for k, v in load_file(wf).items()}
+        except Exception:   # a damaged cache is rebuilt, never fatal
+            pass
+    cfg, weights = _read_gguf(path, torch.float32)
+    try:
+        os.makedirs(d, exist_ok=True)
+        save_file(weights, wf + ".tmp")
+        os.replace(wf + ".tmp", wf)
+        with open(cf + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(cfg), f)
+        os.replace(cf + ".tmp", cf)
+    except OSError:
+        pass   # a read-only or full disk only costs the parse next time
+    return cfg, {k: v.to(dtype) for k, v in weights.items()}
 
 
 def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
