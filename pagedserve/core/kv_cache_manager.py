@@ -87,9 +87,13 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission (not per retry of a request that had to keep waiting)."""
+        if self.enable_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, req: Request, num_new_tokens: int,

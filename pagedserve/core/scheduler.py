@@ -119,8 +119,9 @@ class Scheduler:
         out.block_ops = self.kv.take_ops()
         return out
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _chunk(self, req: Request, budget: int, num_computed: int | None = None) -> int:
+        done = req.num_computed_tokens if num_computed is None else num_computed
+        n = min(req.num_tokens - done, budget)
         if self.cfg.enable_chunked_prefill and n > 1:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return n
@@ -164,14 +165,13 @@ class Scheduler:
                     req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
                     break
             else:
-                computed, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
-                remaining = req.num_tokens - num_hit
-                n = self._chunk(req, budget) if num_hit == 0 else min(remaining, budget,
-                    self.cfg.long_prefill_token_threshold if self.cfg.enable_chunked_prefill else remaining)
-                if not self.cfg.enable_chunked_prefill and n < remaining:
+                computed, num_hit = self.kv.get_computed_blocks(req)
+                n = self._chunk(req, budget, num_hit)
+                if not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
                     break
                 if not self.kv.allocate_slots(req, n, computed):
                     break
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit

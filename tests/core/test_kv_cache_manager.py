@@ -10,6 +10,7 @@ def req(rid, ids, max_tokens=4):
 def admit(kv, r):
     computed, n = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n, computed)
+    kv.record_prefix_lookup(r.num_tokens, n)
     r.num_computed_tokens = r.num_tokens
     return n
 
