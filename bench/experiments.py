@@ -29,6 +29,11 @@ def plt():
     return p
 
 
+def save(fig, out_dir, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=90)
+
+
 def table(header, rows):
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
@@ -92,8 +97,7 @@ def exp_memory(out_dir):
     ax.set_ylabel("KV MiB")
     ax.set_title(f"mixed16 (outputs capped at 64), pool {pool} blocks, max_model_len {max_len}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "exp_memory.png"), dpi=90)
+    save(fig, out_dir, "exp_memory.png")
     return table(["allocation", "max concurrent requests", "peak allocated MiB", "waste (1 - live/allocated)",
                   "steps", "wall s"], rows)
 
@@ -144,8 +148,7 @@ def exp_static(out_dir):
         ax.set_xticks([i + 0.2 for i in range(len(names))], names)
         ax.set_ylabel(label)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "exp_static.png"), dpi=90)
+    save(fig, out_dir, "exp_static.png")
     return table(["workload", "policy", "max_num_seqs", "iterations", "idle slot-iterations while requests wait", "output tok/s", "mean latency s"], rows)
 
 
@@ -196,8 +199,7 @@ def exp_chunked(out_dir):
     ax.set_yscale("log")
     ax.set_title("a 4,000-token prompt arrives at step 20")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "exp_chunked.png"), dpi=90)
+    save(fig, out_dir, "exp_chunked.png")
     return table(["prefill", "ITL p50 ms", "ITL p99 ms", "ITL max ms"], rows)
 
 
@@ -227,8 +229,7 @@ def exp_prefix(out_dir):
     ax.set_xlabel("request (each: the same 1,000-token system prompt + its own question)")
     ax.set_ylabel("TTFT ms")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "exp_prefix.png"), dpi=90)
+    save(fig, out_dir, "exp_prefix.png")
     return table(["prefix caching", "TTFT 1st request ms", "mean TTFT requests 2-8 ms", "hit rate (tokens)"], rows)
 
 
@@ -267,8 +268,7 @@ def exp_blocksize(out_dir):
     ax2.plot([b for b, _, _ in pts], [m for _, _, m in pts], "s--", color="C1", label="median step ms")
     ax2.set_ylabel("median step ms")
     fig.legend(loc="upper center")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "exp_blocksize.png"), dpi=90)
+    save(fig, out_dir, "exp_blocksize.png")
     return table(["block size", "mean tail waste", "median step ms", "wall s", "KiB per block"], rows)
 
 

@@ -166,15 +166,17 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release every block the request holds, last block first (LRU eviction then takes a
         prefix's later blocks before its earlier ones). Also drops any swapped-out copy."""
-        rid = req.request_id
+        self._release(req.request_id)
+        host = self.swapped.pop(req.request_id, None)
+        if host:
+            self.host_free.extend(host)
+
+    def _release(self, rid: str) -> None:
         blocks = self.req_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
         self.req_block_ids.pop(rid, None)
         self.num_hashed.pop(rid, None)
-        host = self.swapped.pop(rid, None)
-        if host:
-            self.host_free.extend(host)
 
     # ------------------------------------------------------------ swap tier
     def can_swap_out(self, req: Request) -> bool:
@@ -186,11 +188,7 @@ class KVCacheManager:
         host = [self.host_free.popleft() for _ in blocks]
         self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
         self.swapped[rid] = host
-        blocks_copy = list(blocks)
-        self.req_blocks.pop(rid)
-        self.req_block_ids.pop(rid)
-        self.num_hashed.pop(rid)
-        self.pool.free_blocks(reversed(blocks_copy))
+        self._release(rid)
 
     def swap_in(self, req: Request) -> bool:
         rid = req.request_id
@@ -203,7 +201,7 @@ class KVCacheManager:
         self.host_free.extend(host)
         self.req_blocks[rid] = blocks
         self.req_block_ids[rid] = [b.block_id for b in blocks]
-        self.num_hashed[rid] = len(blocks) if not self.enable_caching else 0
+        self.num_hashed[rid] = 0
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)
         return True

@@ -1,7 +1,6 @@
 """The offline API, named as vLLM's: LLM(model, **engine_args).generate / .chat / .beam_search."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs

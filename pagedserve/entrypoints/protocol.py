@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and the mapping to SamplingParams."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,5 +80,3 @@ def message_text(m: ChatMessage) -> dict:
         content = "".join(parts)
     return {"role": m.role, "content": content or ""}
 
-
-Role = Literal["system", "user", "assistant", "tool"]

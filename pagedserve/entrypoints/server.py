@@ -116,7 +116,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
         except ValueError as e:
             raise APIError(400, str(e), str(e).split()[0]) from None
 
-    async def _results(http: Request, rid: str, prompt, params, priority: int):
+    async def _results(rid: str, prompt, params, priority: int):
         """The engine stream for one request, with engine errors mapped to HTTP errors."""
         gen = aengine.generate(rid, prompt, params, priority)
         try:
@@ -198,7 +198,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", "logprobs")
         params = _params(body, body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        first, gen = await _results(http, rid, prompt, params, body.priority)
+        first, gen = await _results(rid, prompt, params, body.priority)
         created = int(time.time())
         if body.stream:
             return _sse(_completion_stream(rid, created, first, gen, body))
@@ -253,7 +253,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
         lp = (top or 0) if body.logprobs else None
         params = _params(body, body.max_completion_tokens or body.max_tokens, lp)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await _results(http, rid, {"prompt_token_ids": ids}, params, body.priority)
+        first, gen = await _results(rid, {"prompt_token_ids": ids}, params, body.priority)
         created = int(time.time())
         if body.stream:
             return _sse(_chat_stream(rid, created, first, gen, body, top or 0))

@@ -61,15 +61,21 @@ def native_lib() -> ctypes.CDLL | None:
     return _lib
 
 
+def decode_scratch(num_seqs: int, n_heads: int, max_blocks: int, block_size: int) -> torch.Tensor:
+    """Softmax scratch for one step's decode attention; every layer of the step reuses it."""
+    return torch.empty(num_seqs * n_heads * max_blocks * block_size, dtype=torch.float32)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (D, n_heads, hd) fp32 contiguous -> (D, n_heads, hd)."""
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (D, n_heads, hd) fp32 contiguous -> out (D, n_heads, hd), written in place when given."""
     lib = _lib
     D, nh, hd = q.shape
     nb, bs, n_kv, _ = k_cache.shape
     maxb = block_tables.shape[1]
-    out = torch.empty_like(q)
-    scores = torch.empty(D * nh * maxb * bs, dtype=torch.float32)
+    out = torch.empty_like(q) if out is None else out
+    scores = decode_scratch(D, nh, maxb, bs) if scores is None else scores
     lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), D, nh, n_kv, hd, bs,
                                maxb, scale)

@@ -39,7 +39,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (D,) int32: keys each decode token attends to
     decode_mask: torch.Tensor | None = None          # (D, 1, 1, max_blocks * block_size) bool: True = attend
     prefills: list[PrefillSeq] = field(default_factory=list)
-    use_native: bool = False                         # decode attention by the C kernel (no gather copy)
+    decode_scratch: torch.Tensor | None = None       # set: decode attention by the C kernel (no gather copy)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,7 +55,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: (T, n_heads, hd) -> (T, n_heads, hd), reading keys/values through the block tables."""
     out = torch.empty_like(q)
     d = md.num_decodes
-    if d:
+    if d and md.decode_scratch is not None:
+        paged_decode_attention(q[:d].contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
+                               scale, out=out[:d], scores=md.decode_scratch)
+    elif d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, md, scale)
     for p in md.prefills:
         out[p.start:p.end] = _prefill_attention(q[p.start:p.end], k_cache, v_cache, p, scale)
@@ -63,10 +66,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _decode_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    if md.use_native and q.dtype == torch.float32 and q.device.type == "cpu":
-        return paged_decode_attention(q.contiguous(), k_cache, v_cache, md.decode_block_tables,
-                                      md.decode_context_lens, scale)
-    # Fallback: one batched gather for all decode rows (copies each context; the kernel does not): (D, max_blocks, bs, n_kv, hd) -> (D, n_kv, S, hd)
+    """Fallback (no C compiler, or not fp32 on CPU): one batched gather of every decode row's context,
+    which copies each context; the kernel does not. (D, max_blocks, bs, n_kv, hd) -> (D, n_kv, S, hd)"""
     k = k_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=md.decode_mask,

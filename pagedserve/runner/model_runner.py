@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.kernels import native_lib
+from pagedserve.kernels import decode_scratch, native_lib
 from pagedserve.model.attention import AttentionMetadata, PrefillSeq
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.runner.sampler import SampledToken, Sampler
@@ -90,13 +90,15 @@ class ModelRunner:
                 logit_rows.extend([row0 + n - 1] * k)
                 row_reqs.extend([req] * k)
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
-                               num_decodes=len(dec_lens), use_native=self.use_native)
+                               num_decodes=len(dec_lens))
         if dec_lens:
             width = max(len(t) for t in dec_tables)
             md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
             lens = torch.tensor(dec_lens, dtype=torch.long)
             md.decode_context_lens = lens
-            if not self.use_native:
+            if self.use_native:
+                md.decode_scratch = decode_scratch(len(dec_lens), self.model.cfg.num_heads, width, bs)
+            else:
                 md.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, row_reqs)
 

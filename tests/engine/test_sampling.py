@@ -1,7 +1,7 @@
 """Sampling semantics, sharing for n > 1 and beam search, and parameter validation."""
 import pytest
 
-from pagedserve import LLM, BeamSearchParams, SamplingParams
+from pagedserve import BeamSearchParams, SamplingParams
 
 PROMPT = {"prompt_token_ids": list(range(1000, 1040))}
 

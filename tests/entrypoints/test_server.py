@@ -1,6 +1,5 @@
 """The server over real HTTP on a loopback port, driven by the official openai SDK."""
 import asyncio
-import json
 import socket
 import threading
 import time
