@@ -1,7 +1,17 @@
 """SamplingParams: vLLM's names and semantics; every bad field is a ValueError naming it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from pagedserve.errors import ParamError
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_LOGPROBS = 20                 # OpenAI's limit for logprobs / top_logprobs
+MAX_STOP_STRINGS = 64             # every new token is checked against each one
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(slots=True)
@@ -11,7 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1                             # -1 (or 0) = off
     min_p: float = 0.0
-    seed: int | None = None                     # per-request generator: same output alone or in any batch
+    seed: int | None = None                     # per-request generator (int64): same output alone or in any batch
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -45,15 +55,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            v = repr(getattr(self, name))
+            raise ParamError(name, f"{name} {why}, got {v if len(v) < 80 else v[:77] + '...'}")
 
         def num(name: str, integer: bool = False):
             v = getattr(self, name)
             ok = isinstance(v, int) if integer else isinstance(v, (int, float))
             if not ok or isinstance(v, bool):
                 bad(name, "must be an integer" if integer else "must be a number")
-            if not integer and v != v:
-                bad(name, "must not be NaN")
+            if not integer and not math.isfinite(v):
+                bad(name, "must be a finite number")
 
         num("n", True)
         if self.n < 1:
@@ -65,13 +76,15 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         num("top_k", True)
-        if self.top_k < -1:
-            bad("top_k", "must be -1 (off), 0 (off) or positive")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 (off), 0 (off) or a positive integer up to {MAX_TOP_K}")
         num("min_p")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None:
+            num("seed", True)
+            if not INT64_MIN <= self.seed <= INT64_MAX:
+                bad("seed", "must fit in a signed 64-bit integer")
         for name in ("presence_penalty", "frequency_penalty"):
             num(name)
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -81,8 +94,12 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 10]")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         if self.max_tokens is not None:
             num("max_tokens", True)
             if self.max_tokens < 1:
@@ -94,8 +111,8 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             num("logprobs", True)
-            if not 0 <= self.logprobs <= 20:
-                bad("logprobs", "must be in [0, 20]")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
             bad("prompt_logprobs", "is not supported")
         if self.best_of is not None:

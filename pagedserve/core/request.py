@@ -15,11 +15,12 @@ class RequestStatus(enum.Enum):
     SWAPPED = "swapped"                # blocks copied to the host tier; copied back when readmitted
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    FINISHED_ABORTED = "abort"         # the client went away, or an explicit abort
+    FINISHED_ERROR = "error"           # the engine failed this request (a fault in its step, a timeout)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
 
 
 @dataclass(slots=True, eq=False)
@@ -69,9 +70,20 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, int, int]:
+        """A total order: the n samples of one request share priority and arrival, so the sample
+        index breaks the tie (two queue entries never compare equal)."""
+        return (self.priority, self.arrival_seq, self.seq_index)
+
+    @property
+    def num_pending_forks(self) -> int:
+        """Sequences this request will add when its first token is sampled (n > 1)."""
+        return self.num_samples - 1 if self.num_samples > 1 and not self.output_token_ids else 0
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                       RequestStatus.FINISHED_ERROR})

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.errors import ParamError, QueueFullError
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
 
 
 @dataclass(slots=True)
@@ -50,8 +53,15 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue is full (the server answers 503)."""
+@dataclass(slots=True)
+class SeqUpdate:
+    """One sequence's new token from a step, already applied by the scheduler."""
+
+    request: Request             # the sequence; a new fork when sample_index > 0
+    row_id: str                  # the scheduled sequence whose logits the token was sampled from
+    sample_index: int            # which of that row's samples (0, or 1..n-1 for the forks of an n > 1 request)
+    token_id: int
+    finished: bool
 
 
 class Scheduler:
@@ -66,22 +76,25 @@ class Scheduler:
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
 
     # ------------------------------------------------------------ admission
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """Reject at once a request that could never run (ValueError names the limit)."""
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """Reject at once a request that could never run (ParamError names the field)."""
         total = prompt_len + max_tokens
         if prompt_len < 1:
-            raise ValueError("prompt: must contain at least one token")
+            raise ParamError("prompt", "prompt: must contain at least one token")
+        if n > self.cfg.max_num_seqs:
+            raise ParamError("n", f"n ({n}) exceeds max_num_seqs ({self.cfg.max_num_seqs}): each sample is a "
+                                  f"running sequence")
         if total > self.cfg.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                             f"max_model_len ({self.cfg.max_model_len})")
+            raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
+                                           f"exceeds max_model_len ({self.cfg.max_model_len})")
         need = self.kv.blocks_needed(max(total, self.kv.reserve_tokens or 0))
         if need > self.kv.pool.num_usable_blocks:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, "
-                             f"more than the whole KV cache ({self.kv.pool.num_usable_blocks} blocks of "
-                             f"{self.kv.block_size} tokens)")
+            raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} "
+                                           f"KV blocks, more than the whole KV cache ({self.kv.pool.num_usable_blocks}"
+                                           f" blocks of {self.kv.block_size} tokens)")
         if not self.cfg.enable_chunked_prefill and prompt_len > self.cfg.max_num_batched_tokens:
-            raise ValueError(f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
-                             f"({self.cfg.max_num_batched_tokens}) and chunked prefill is disabled")
+            raise ParamError("prompt", f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
+                                       f"({self.cfg.max_num_batched_tokens}) and chunked prefill is disabled")
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -89,20 +102,25 @@ class Scheduler:
         cap = self.cfg.max_waiting_requests
         if cap is not None and len(self.waiting) >= cap:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
-        self.check_fits(req.num_prompt_tokens, req.max_tokens)
+        self.check_fits(req.num_prompt_tokens, req.max_tokens, req.num_samples)
         req.arrival_seq = next(self._seq)
         self.requests[req.request_id] = req
         self._push_waiting(req)
 
-    def add_running_fork(self, parent: Request, child: Request) -> None:
-        """A sample of an n > 1 request: shares the parent's blocks and runs from where it is."""
-        child.arrival_seq = parent.arrival_seq
-        child.status = RequestStatus.RUNNING
+    def _fork(self, parent: Request, i: int) -> Request:
+        """Sample i of an n > 1 request: shares the parent's blocks and runs from where it is."""
+        seed = None if parent.generator_seed is None else (parent.generator_seed + i) % 2**64
+        child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params, parent.max_tokens,
+                        parent.eos_token_ids, parent.priority, parent.arrival_time, arrival_seq=parent.arrival_seq,
+                        status=RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens, seq_index=i,
+                        parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
+                        first_scheduled_time=parent.first_scheduled_time, generator_seed=seed)
         self.requests[child.request_id] = child
         self.kv.fork(parent, child)
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings
         if self.cfg.policy == "static":
             self.static_batch.add(child.request_id)
+        return child
 
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self.waiting, (req.sort_key, req))
@@ -152,9 +170,12 @@ class Scheduler:
             # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
             # admitted until its last member finishes (members still join as budget and blocks allow)
             self.static_batch = {r.request_id for _, r in heapq.nsmallest(self.cfg.max_num_seqs, self.waiting)}
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        num_seqs = self.num_seqs()
+        while self.waiting and budget > 0:
             req = self.waiting[0][1]
             if static and req.request_id not in self.static_batch:
+                break
+            if num_seqs + 1 + req.num_pending_forks > self.cfg.max_num_seqs:
                 break
             if req.status is RequestStatus.SWAPPED:
                 if not self.kv.swap_in(req):
@@ -182,6 +203,11 @@ class Scheduler:
             bisect.insort(self.running, req, key=_sort_key)
             self._add(out, req, n)
             budget -= n
+            num_seqs += 1 + req.num_pending_forks
+
+    def num_seqs(self) -> int:
+        """Running sequences, counting the forks an n > 1 request adds at its first token."""
+        return len(self.running) + sum(r.num_pending_forks for r in self.running)
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         sample = req.num_computed_tokens + n == req.num_tokens
@@ -206,9 +232,47 @@ class Scheduler:
         self._push_waiting(req)
 
     # ------------------------------------------------------------ after the step
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Leave the batch now: free blocks, drop from whichever queue holds it."""
+    def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]],
+                           now: float) -> list[SeqUpdate]:
+        """Apply the runner's sampled tokens: fork n > 1 requests at their first token, append, and
+        finish on EOS, a stop token or length. Stop strings need text: the engine checks those and
+        calls finish()."""
+        updates: list[SeqUpdate] = []
+        for s in so.seqs:
+            req = s.request
+            tokens = sampled.get(req.request_id)
+            if not tokens or req.status is not RequestStatus.RUNNING:
+                continue
+            for i, tok in enumerate(tokens[1:], start=1):
+                updates.append(self._apply_token(self._fork(req, i), req.request_id, i, tok, now))
+            updates.append(self._apply_token(req, req.request_id, 0, tokens[0], now))
+        return updates
+
+    def _apply_token(self, req: Request, row_id: str, k: int, tok: int, now: float) -> SeqUpdate:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        req.append_token(tok)
+        p = req.params
+        status = None
+        if req.num_output_tokens >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok if tok in p.stop_token_ids else None
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish(req, status)
+        return SeqUpdate(req, row_id, k, tok, status is not None)
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Leave the batch now: free blocks, drop from whichever queue holds it. On a request that
+        already finished this only corrects the reason (a stop string found in the text of the
+        token that also ended it by length)."""
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
         if req.status.finished:
+            if status is RequestStatus.FINISHED_STOPPED and req.status is RequestStatus.FINISHED_LENGTH:
+                req.status = status
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -234,7 +298,7 @@ class Scheduler:
         ahead = [r for _, r in self.waiting if r.sort_key < req.sort_key]
         if self.cfg.policy == "static" and self.static_batch and req.request_id not in self.static_batch:
             return "static batch in flight"
-        if len(self.running) >= self.cfg.max_num_seqs:
+        if self.num_seqs() + 1 + req.num_pending_forks > self.cfg.max_num_seqs:
             return "max_num_seqs reached"
         if ahead and any(r.priority < req.priority for r in ahead):
             return "lower priority"

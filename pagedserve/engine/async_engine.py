@@ -1,130 +1,213 @@
 """AsyncLLMEngine: the engine steps in its own thread; each request gets an asyncio stream.
 
-HTTP handlers never block the step loop: they hand requests over a thread-safe queue and read
-outputs from a per-request asyncio.Queue fed with loop.call_soon_threadsafe. Aborts are applied
-between steps, so a disconnected client's blocks are freed at the next step."""
+HTTP handlers never block the step loop: they hand work to the engine thread over one
+thread-safe queue and read outputs from a per-request `RequestStream` fed with
+loop.call_soon_threadsafe. Everything that changes engine state (add, abort, fail, time out)
+runs in the engine thread, between steps.
+
+Failures stay local and are reported as failures: a fault in a step fails the requests of that
+step (LLMEngine.step); a request older than `request_timeout_s` fails with a timeout; if the
+engine thread itself dies, every stream and every pending submission gets EngineDeadError at
+once and `on_dead` is called (the server then reports unhealthy and exits)."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import RequestFailure, RequestOutput
+from pagedserve.errors import EngineDeadError
 from pagedserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedserve")
 
 
+class RequestStream:
+    """One request's outputs in order; the last one is finished. `abort()` (the client went away)
+    ends the request in the engine; its final output then says "abort"."""
+
+    def __init__(self, aengine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._aengine = aengine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._aengine.abort(self.request_id)
+
+
 @dataclass(slots=True)
 class _Submit:
-    request_id: str
+    stream: RequestStream
     prompt: object
     params: SamplingParams
     priority: int
     arrival_time: float
-    done: threading.Event
-    error: BaseException | None = None
+    accepted: asyncio.Future
+
+    def resolve(self, error: BaseException | None) -> None:
+        def set_result(f: asyncio.Future = self.accepted):
+            if not f.done():
+                f.set_exception(error) if error is not None else f.set_result(None)
+        self.stream.loop.call_soon_threadsafe(set_result)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, request_timeout_s: float | None = None):
         self.engine = engine
-        self._inbox: queue.Queue[_Submit] = queue.Queue()
-        self._aborts: queue.Queue[str] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.request_timeout_s = request_timeout_s
+        self.dead: EngineDeadError | None = None
+        self.on_step: Callable | None = None      # (engine, outputs), in the engine thread (metrics)
+        self.on_dead: Callable | None = None      # (EngineDeadError), in the engine thread, once
+        self._inbox: queue.Queue[_Submit | Callable[[], None]] = queue.Queue()
+        self._lock = threading.Lock()             # orders submissions against the engine's death
+        self._streams: dict[str, RequestStream] = {}
+        self._deadlines: list[tuple[float, str]] = []     # heap, engine thread only
         self._wake = threading.Event()
         self._stop = False
-        self.on_step = None          # callback(engine, outputs) run in the engine thread (metrics)
-        self.on_finish = None        # callback(output) for finished requests
         self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ called from asyncio
-    async def generate(self, request_id: str, prompt, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output after every step that changed it; the last one is finished.
-        Cancelling the iteration (client gone) aborts the request."""
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Submit a request; raises what engine.add_request raises (ParamError, QueueFullError) or
+        EngineDeadError. Iterate the returned stream for its outputs."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
-        sub = _Submit(request_id, prompt, params, priority, time.monotonic(), threading.Event())
-        self._inbox.put(sub)
+        stream = RequestStream(self, request_id, loop)
+        sub = _Submit(stream, prompt, params, priority, time.monotonic(), loop.create_future())
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            self._inbox.put(sub)
         self._wake.set()
-        await loop.run_in_executor(None, sub.done.wait)
-        if sub.error is not None:
-            self._streams.pop(request_id, None)
-            raise sub.error
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                yield out
-                if out.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        await sub.accepted
+        return stream
 
     def abort(self, request_id: str) -> None:
-        self._aborts.put(request_id)
-        self._wake.set()
+        self._call(lambda: self._deliver([self.engine.abort(request_id)]))
+
+    def fail_all(self, kind: str, message: str) -> None:
+        """End every request in flight with an error (used at the end of a graceful shutdown)."""
+        def fail():
+            err = RequestFailure(kind, message)
+            self._deliver([self.engine.fail_request(rid, err) for rid in list(self.engine.states)])
+        self._call(fail)
+
+    def num_unfinished(self) -> int:
+        return len(self.engine.states)
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
 
+    def _call(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self.dead is None:
+                self._inbox.put(fn)
+        self._wake.set()
+
     # ------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
-        eng = self.engine
-        while not self._stop:
-            self._drain()
-            if not eng.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+        try:
+            while not self._stop:
+                self._run_inbox()
+                self._expire()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=self._idle_wait_s())
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as e:      # nothing may leave a client waiting on a dead thread
+            self._die(e)
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if callable(item):
+                item()
                 continue
             try:
-                outs = eng.step()
-            except Exception:   # a bug must not hang every client: fail the in-flight requests, keep serving
-                log.exception("engine step failed; aborting in-flight requests")
-                outs = self._abort_all()
-            if self.on_step is not None:
-                self.on_step(eng, outs)
-            for out in outs:
-                s = self._streams.get(out.request_id)
-                if s is not None:
-                    s[0].call_soon_threadsafe(s[1].put_nowait, out)
+                self.engine.add_request(item.stream.request_id, item.prompt, item.params, priority=item.priority,
+                                        stream=True, arrival_time=item.arrival_time)
+            except Exception as e:      # reported to the caller; the engine changed nothing
+                item.resolve(e)
+                continue
+            self._streams[item.stream.request_id] = item.stream
+            if self.request_timeout_s is not None:
+                heapq.heappush(self._deadlines, (item.arrival_time + self.request_timeout_s, item.stream.request_id))
+            item.resolve(None)
 
-    def _abort_all(self) -> list[RequestOutput]:
-        outs = []
-        for rid, st in list(self.engine.states.items()):
-            self.engine.abort(rid)
-            outs.append(self.engine._output(st))
-        return outs
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expired.append(heapq.heappop(self._deadlines)[1])
+        if expired:
+            err = RequestFailure("timeout", f"the request did not finish within --request-timeout "
+                                            f"({self.request_timeout_s:g} s)")
+            self._deliver([self.engine.fail_request(rid, err) for rid in expired])
 
-    def _drain(self) -> None:
-        eng = self.engine
+    def _idle_wait_s(self) -> float:
+        if not self._deadlines:
+            return 0.5
+        return min(0.5, max(0.0, self._deadlines[0][0] - time.monotonic()))
+
+    def _deliver(self, outs: list[RequestOutput | None]) -> None:
+        outs = [o for o in outs if o is not None]
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, outs)
+            except Exception:
+                log.exception("on_step callback failed (metrics); serving goes on")
+        for out in outs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _die(self, e: BaseException) -> None:
+        err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine thread died: {type(e).__name__}: {e}")
+        log.critical("engine is dead: %s", err, exc_info=e)
+        with self._lock:
+            self.dead = err
         while True:
             try:
-                rid = self._aborts.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            eng.abort(rid)
-        while True:
-            try:
-                sub = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                eng.add_request(sub.request_id, sub.prompt, sub.params, priority=sub.priority, stream=True,
-                                arrival_time=sub.arrival_time)
-            except BaseException as e:   # reported to the caller, never kills the loop
-                sub.error = e
-            sub.done.set()
+            if isinstance(item, _Submit):
+                item.resolve(err)
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.put(err)
+        if self.on_dead is not None:
+            self.on_dead(err)

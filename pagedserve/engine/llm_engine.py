@@ -12,11 +12,12 @@ import torch
 from pagedserve.config import EngineArgs, parse_bytes
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedserve.engine.outputs import (CompletionOutput, EngineCounters, RequestMetrics, RequestOutput, StepStats)
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
+from pagedserve.engine.outputs import (CompletionOutput, EngineCounters, RequestFailure, RequestMetrics,
+                                       RequestOutput, StepStats)
+from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
-from pagedserve.runner.sampler import SampledToken
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -27,7 +28,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """The engine's view of one user request: its n sequences and what they produced so far."""
+    """The engine's view of one user request: its n sequences and what they produced so far. The
+    sequences' status and stop reason live on each `Request` (the scheduler owns them)."""
 
     request_id: str
     prompt: str | None
@@ -40,12 +42,13 @@ class RequestState:
     texts: list[str] = field(default_factory=list)
     logprobs: list[list | None] = field(default_factory=list)
     cum_logprobs: list[float] = field(default_factory=list)
-    finish: list[str | None] = field(default_factory=list)
-    stop_reasons: list = field(default_factory=list)
+    error: RequestFailure | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.finish) == self.params.n and all(f is not None for f in self.finish)
+        if self.error is not None or self.seqs[0].status is RequestStatus.FINISHED_ABORTED:
+            return True
+        return len(self.seqs) == self.params.n and all(r.status.finished for r in self.seqs)
 
 
 class LLMEngine:
@@ -79,8 +82,7 @@ class LLMEngine:
         self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
-        self.states: dict[str, RequestState] = {}
-        self.seq_owner: dict[str, RequestState] = {}     # sequence id -> its user request
+        self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.counters = EngineCounters()
         self.last_stats = StepStats()
         self._ids = itertools.count()
@@ -123,12 +125,15 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+            raise ParamError("prompt", "prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+        self._check_token_ids("prompt", ids, "prompt_token_ids")
+        return (prompt.get("prompt") if isinstance(prompt, dict) else None), list(ids)
+
+    def _check_token_ids(self, param: str, ids, label: str | None = None) -> None:
         V = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
-        return (prompt.get("prompt") if isinstance(prompt, dict) else None), list(ids)
+            raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None) -> str:
@@ -136,21 +141,22 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if params.use_beam_search:
-            raise ValueError("use_beam_search: beam search runs through LLM.beam_search / LLM.generate, "
-                             "not engine.add_request")
+            raise ParamError("use_beam_search", "use_beam_search: beam search runs through LLM.beam_search / "
+                                                "LLM.generate, not engine.add_request")
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         text, ids = self.tokenize(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids, priority=priority,
-                      num_samples=params.n, generator_seed=params.seed)
+                      num_samples=params.n, generator_seed=None if params.seed is None else params.seed % 2**64)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.scheduler.add_request(req)          # raises ValueError / QueueFullError before any state exists
+        self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
         st = RequestState(request_id, text, ids, params, stream, req.arrival_time)
         self._add_seq(st, req)
         self.states[request_id] = st
@@ -165,123 +171,124 @@ class LLMEngine:
         st.texts.append("")
         st.logprobs.append([] if p.logprobs is not None else None)
         st.cum_logprobs.append(0.0)
-        st.finish.append(None)
-        st.stop_reasons.append(None)
-        self.seq_owner[req.request_id] = st
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request because its client went away (or asked): finish reason "abort"."""
         st = self.states.pop(request_id, None)
         if st is None:
-            return False
-        for i, req in enumerate(st.seqs):
+            return None
+        for req in st.seqs:
             self.scheduler.abort(req.request_id)
             self.runner.sampler.forget(req.request_id)
-            self.seq_owner.pop(req.request_id, None)
-            if st.finish[i] is None:
-                st.finish[i] = "abort"
-        self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
-        return True
+        self._count_finish("abort")
+        return self._output(st)
+
+    def fail_request(self, request_id: str, error: RequestFailure) -> RequestOutput | None:
+        """End a request with an error (a fault in its step, a timeout, shutdown): finish reason "error"."""
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return None
+        st.error = error
+        for req in st.seqs:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self.runner.sampler.forget(req.request_id)
+        self._count_finish("error")
+        return self._output(st)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step. A fault while running or post-processing fails only the requests of this step
+        (finish reason "error") and frees their blocks; a fault in the scheduler leaves its state
+        unknown and raises EngineDeadError."""
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        ro = self.runner.execute(so)
-        touched = self._postprocess(so, ro)
-        outs = [self._output(st) for st in touched if st.stream or st.finished]
+        try:
+            so = self.scheduler.schedule()
+        except Exception as e:
+            raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
+        try:
+            ro = self.runner.execute(so)
+            outs = [self._output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
+        except Exception as e:
+            log.exception("engine step failed; failing the requests it ran")
+            ro, outs = RunnerOutput(), self._fail_step(so, e)
         for o in outs:
             if o.finished:
                 self.states.pop(o.request_id, None)
         self._record_stats(so, ro, time.perf_counter() - t0)
         return outs
 
+    def _fail_step(self, so: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        owners = dict.fromkeys(_owner_id(s.request) for s in so.seqs)
+        err = RequestFailure("internal_error", f"the engine step running this request failed: {type(e).__name__}: {e}")
+        return [o for o in (self.fail_request(rid, err) for rid in owners) if o is not None]
+
     def _postprocess(self, so: SchedulerOutput, ro: RunnerOutput) -> list[RequestState]:
+        sampled = {rid: [smp.token_id for smp in smps] for rid, smps in ro.sampled.items()}
         touched: dict[str, RequestState] = {}
-        now = time.monotonic()
-        for s in so.seqs:
-            req = s.request
-            samples = ro.sampled.get(req.request_id)
-            if not samples:
-                continue
-            st = self.seq_owner[req.request_id]
+        for u in self.scheduler.update_from_output(so, sampled, time.monotonic()):
+            st = self.states[_owner_id(u.request)]
+            if u.sample_index:
+                self._add_seq(st, u.request)
             touched[st.request_id] = st
-            for i, smp in enumerate(samples[1:], start=1):      # n > 1: the first sample forks
-                child = Request(f"{req.request_id}#{i}", req.prompt_token_ids, req.params, req.max_tokens,
-                                req.eos_token_ids, req.priority, req.arrival_time,
-                                num_computed_tokens=req.num_computed_tokens, seq_index=i, parent_id=req.request_id,
-                                num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
-                                generator_seed=None if req.generator_seed is None else req.generator_seed + i)
-                self.scheduler.add_running_fork(req, child)
-                self._add_seq(st, child)
-                self._append(st, child, smp, now)
-            self._append(st, req, samples[0], now)
+            self._observe(st, u, ro.sampled[u.row_id][u.sample_index])
         return list(touched.values())
 
-    def _append(self, st: RequestState, req: Request, smp: SampledToken, now: float) -> None:
-        i = req.seq_index
-        if req.first_token_time is None:
-            req.first_token_time = now
-            if i == 0:
-                self.counters.prompt_tokens += req.num_prompt_tokens
-        req.last_token_time = now
-        tok = smp.token_id
-        req.append_token(tok)
+    def _observe(self, st: RequestState, u: SeqUpdate, smp) -> None:
+        """Logprobs, text and stop strings for one new token (the scheduler has appended it)."""
+        req, tok, i, p = u.request, u.token_id, u.request.seq_index, st.params
+        if i == 0 and req.num_output_tokens == 1:
+            self.counters.prompt_tokens += req.num_prompt_tokens
         self.counters.generation_tokens += 1
         if smp.logprobs is not None:
             st.logprobs[i].append(smp.logprobs)
             st.cum_logprobs[i] += smp.logprobs[tok].logprob
-        p = st.params
-        finish, reason = None, None
-        may_stop = req.num_output_tokens >= p.min_tokens
         if st.detoks[i] is not None:
             delta = st.detoks[i].add(tok)
             st.texts[i] = st.detoks[i].text
-            if p.stop and delta and may_stop:
-                finish, reason = self._check_stop_strings(st, i, len(delta))
-        if finish is None and may_stop and (tok in req.eos_token_ids or tok in p.stop_token_ids):
-            finish, reason = "stop", (tok if tok in p.stop_token_ids else None)
-        if finish is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            st.finish[i], st.stop_reasons[i] = finish, reason
-            status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
-            self.scheduler.finish(req, status)
+            if p.stop and delta and req.num_output_tokens >= p.min_tokens:
+                self._check_stop_strings(st, req, len(delta))
+        if req.status.finished:
             self.runner.sampler.forget(req.request_id)
-            self.seq_owner.pop(req.request_id, None)
-            self.counters.finished[finish] = self.counters.finished.get(finish, 0) + 1
+            self._count_finish(req.status.value)
             if st.detoks[i] is None:
                 st.texts[i] = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
 
-    def _check_stop_strings(self, st: RequestState, i: int, delta_len: int):
+    def _count_finish(self, reason: str) -> None:
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    def _check_stop_strings(self, st: RequestState, req: Request, delta_len: int) -> None:
+        i = req.seq_index
         text = st.texts[i]
         for stop in st.params.stop:
             start = max(0, len(text) - delta_len - len(stop) + 1)
             k = text.find(stop, start)
             if k >= 0:
                 st.texts[i] = text[: k + len(stop)] if st.params.include_stop_str_in_output else text[:k]
-                return "stop", stop
-        return None, None
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+                return
 
     def _visible_text(self, st: RequestState, i: int) -> str:
         """While a sequence runs, hold back a tail that might still become a stop string."""
         text = st.texts[i]
-        if st.finish[i] is None and st.params.stop and not st.params.include_stop_str_in_output:
+        if not st.seqs[i].status.finished and st.params.stop and not st.params.include_stop_str_in_output:
             hold = max(len(s) for s in st.params.stop) - 1
             return text[: max(0, len(text) - hold)]
         return text
 
     def _output(self, st: RequestState) -> RequestOutput:
         outs = [CompletionOutput(i, self._visible_text(st, i), list(r.output_token_ids),
-                                 st.cum_logprobs[i] if st.logprobs[i] is not None else None,
-                                 st.logprobs[i], st.finish[i], st.stop_reasons[i]) for i, r in enumerate(st.seqs)]
+                                 st.cum_logprobs[i] if st.logprobs[i] is not None else None, st.logprobs[i],
+                                 r.status.value if r.status.finished else None, r.stop_reason)
+                for i, r in enumerate(st.seqs)]
         r0 = st.seqs[0]
+        finished = st.finished
         m = RequestMetrics(st.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
-                           time.monotonic() if st.finished else None, sum(r.num_preemptions for r in st.seqs))
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
-                             max(0, r0.num_cached_tokens), m)
+                           time.monotonic() if finished else None, sum(r.num_preemptions for r in st.seqs))
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, finished,
+                             max(0, r0.num_cached_tokens), m, st.error)
 
     def _record_stats(self, so: SchedulerOutput, ro: RunnerOutput, step_s: float) -> None:
         sch, kv, c = self.scheduler, self.kv, self.counters
@@ -297,6 +304,11 @@ class LLMEngine:
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
             num_preemptions=len(so.preempted), step_s=step_s, forward_s=ro.forward_s,
             prepare_s=ro.prepare_s, sample_s=ro.sample_s)
+
+
+def _owner_id(req: Request) -> str:
+    """The user request a sequence belongs to: its first sequence carries the request's id."""
+    return req.parent_id or req.request_id
 
 
 def _free_memory_bytes(device: str) -> int:

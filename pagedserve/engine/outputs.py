@@ -13,7 +13,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    finish_reason: str | None = None        # "stop" | "length" | "abort" (client left) | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None    # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -30,6 +30,14 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class RequestFailure:
+    """Why the engine failed a request (finish reason "error"); the server maps `kind` to a status."""
+
+    kind: str          # "internal_error" | "timeout" | "shutdown" | "engine_dead"
+    message: str
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -39,6 +47,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: RequestFailure | None = None      # set when the engine failed the request
 
 
 @dataclass(slots=True)

@@ -109,8 +109,7 @@ def cmd_chat(ns) -> int:
 
 def cmd_serve(ns) -> int:
     from pagedserve.entrypoints.server import run_server
-    run_server(engine_args_from(ns), ns)
-    return 0
+    return run_server(engine_args_from(ns), ns)
 
 
 def cmd_kv_plan(ns) -> int:
@@ -133,11 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(c)
     c.set_defaults(fn=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 and /debug")
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may live before it ends with a timeout error (default: 600)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they end with an error")
+    s.add_argument("--dead-engine-grace", type=float, default=2.0,
+                   help="if the engine dies, seconds to answer clients before exiting with status 1")
     add_engine_flags(s, positional_model=True)
     s.set_defaults(fn=cmd_serve)
     k = sub.add_parser("kv-plan", help="KV-cache memory arithmetic: blocks, bytes, waste, capacity")

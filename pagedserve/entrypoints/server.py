@@ -1,304 +1,232 @@
-"""The OpenAI-compatible HTTP server: FastAPI + uvicorn over AsyncLLMEngine."""
+"""The OpenAI-compatible HTTP server: FastAPI + uvicorn over AsyncLLMEngine.
+
+This module builds the app and owns its life: the request guard (body size, API key, draining),
+the mapping of every error to OpenAI's error JSON, graceful shutdown on SIGTERM and exit on a
+dead engine. The routes themselves are module-level functions in `routes.py`."""
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import logging
-import time
-import uuid
+import signal
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.config import EngineArgs
-from pagedserve.core.scheduler import QueueFullError
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import RequestOutput
 from pagedserve.entrypoints.metrics import ServerMetrics
-from pagedserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, message_text,
-                                             to_sampling_params)
-from pagedserve.tokenizer import apply_chat_template
+from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+class RequestError(Exception):
+    """An error answered to the client in OpenAI's error JSON; `param` names the field at fault."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, type_: str = "invalid_request_error"):
         super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type_
+        self.param, self.message, self.status, self.type = param, message, status, type_
 
 
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, type_), status_code=status, headers=headers)
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the routes share: one per app (app.state.server)."""
+
+    engine: LLMEngine
+    aengine: AsyncLLMEngine
+    metrics: ServerMetrics
+    model_name: str
+    draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
 
 
 class Guard:
     """Plain ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers):
-    body-size limit (413) and the optional API key on /v1 routes (401)."""
+    the API key on /v1 and /debug (401, compared in constant time), 503 while draining, and the
+    body-size limit (413) counted on the bytes received, so a chunked body without Content-Length
+    is cut off at the limit instead of being read whole."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    PROTECTED = ("/v1", "/debug")
+
+    def __init__(self, app, state: ServerState, api_key: str | None, max_body_bytes: int):
+        self.app, self.state, self.max_body_bytes = app, state, max_body_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
-            size = headers.get(b"content-length", b"").decode()
-            if size.isdigit() and int(size) > self.max_body_bytes:
-                resp = _error(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes")
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope.get("headers") or [])
+        if self.expected is not None and path.startswith(self.PROTECTED) and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                  type_="authentication_error")
+            return await resp(scope, receive, send)
+        if self.state.draining and path.startswith("/v1/") and scope["method"] == "POST":
+            resp = error_response(503, "the server is shutting down; retry on another replica",
+                                  type_="server_shutting_down", headers={"Retry-After": "5"})
+            return await resp(scope, receive, send)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_body(receive)
+            if body is None:
+                resp = error_response(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
                 return await resp(scope, receive, send)
-            if self.api_key is not None and scope["path"].startswith("/v1") and \
-                    headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
-                resp = _error(401, "missing or invalid API key (Authorization: Bearer ...)", type_="authentication_error")
-                return await resp(scope, receive, send)
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
+    async def _read_body(self, receive) -> bytes | None:
+        size = 0
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                break
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(chunks)
 
-def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
-              max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    app = FastAPI(title="pagedserve")
-    aengine = AsyncLLMEngine(engine)
-    metrics = ServerMetrics(engine)
-    aengine.on_step = metrics.on_step
-    model_name = served_model_name or engine.source.name
-    app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
 
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+def _replay(body: bytes, receive):
+    """The body once, then the real receive (which reports the client's disconnect)."""
+    sent = False
 
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {err.get('msg', '')}")
-        field = ".".join(loc) or None
-        return _error(400, f"{field or 'body'}: {err.get('msg', 'invalid value')}", field)
+            return error_response(400, f"malformed JSON body: {err.get('msg', '')}")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # a union type adds the member's type name to the location: keep the field path only
+        field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-"))) or None
+        return error_response(400, f"{field or 'body'}: {err.get('msg', 'invalid value')}", field)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return _error(exc.status, exc.message, exc.param, exc.type)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        status = exc.status_code if 400 <= exc.status_code < 500 else 400
+        return error_response(status, str(exc.detail), headers=getattr(exc, "headers", None))
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    @app.exception_handler(RequestError)
+    async def _request_error(_, exc: RequestError):
+        return error_response(exc.status, exc.message, exc.param, exc.type)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                                            "max_model_len": engine.max_model_len}]}
+    @app.exception_handler(ParamError)
+    async def _param(_, exc: ParamError):
+        return error_response(400, str(exc), exc.param)
 
-    @app.get("/metrics")
-    async def prom():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        metrics.refresh(engine)
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    @app.exception_handler(ValueError)
+    async def _value(_, exc: ValueError):
+        return error_response(400, str(exc))
 
-    @app.get("/debug/scheduler")
-    async def debug_scheduler():
-        sch, kv = engine.scheduler, engine.kv
-        waiting = sorted(list(sch.waiting), key=lambda x: x[0])
-        return {
-            "running": [{"request_id": r.request_id, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
-                         "num_tokens": r.num_tokens, "blocks": len(kv.block_ids(r.request_id))} for r in list(sch.running)],
-            "waiting": [{"request_id": r.request_id, "priority": r.priority, "status": r.status.value,
-                         "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)} for _, r in waiting],
-            "kv": {"blocks_total": kv.pool.num_usable_blocks, "blocks_free": kv.num_free_blocks,
-                   "blocks_cached": kv.pool.num_cached_blocks(), "usage": kv.usage(), "block_size": kv.block_size},
-            "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
-                       "max_model_len": sch.cfg.max_model_len},
-        }
+    @app.exception_handler(QueueFullError)
+    async def _full(_, exc: QueueFullError):
+        return error_response(503, str(exc), type_="server_overloaded", headers={"Retry-After": "1"})
 
-    def _params(req, max_tokens, logprobs):
-        try:
-            return to_sampling_params(req, max_tokens, logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split()[0]) from None
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, exc: EngineDeadError):
+        return error_response(500, f"the engine is dead: {exc}", type_="engine_dead")
 
-    async def _results(rid: str, prompt, params, priority: int):
-        """The engine stream for one request, with engine errors mapped to HTTP errors."""
-        gen = aengine.generate(rid, prompt, params, priority)
-        try:
-            first = await gen.__anext__()
-        except QueueFullError as e:
-            raise APIError(503, str(e), type_="server_overloaded") from None
-        except ValueError as e:
-            msg = str(e)
-            raise APIError(400, msg, msg.split()[0].rstrip(":")) from None
-        return first, gen
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        log.exception("unhandled error in a request")
+        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
-    async def _collect(http: Request, first: RequestOutput, gen) -> RequestOutput:
-        """Wait for the final output; a client that goes away aborts the request."""
-        out = first
 
-        async def drain():
-            nonlocal out
-            async for o in gen:
-                out = o
-
-        if first.finished:
-            return first
-        task = asyncio.ensure_future(drain())
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.2)
-            if not task.done() and await http.is_disconnected():
-                task.cancel()
-                await gen.aclose()
-                raise APIError(499, "client disconnected")
-        task.result()
-        return out
-
-    def usage(out: RequestOutput) -> dict:
-        comp = sum(len(o.token_ids) for o in out.outputs)
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": comp,
-                "total_tokens": len(out.prompt_token_ids) + comp,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-
-    def completion_logprobs(o, start: int = 0) -> dict | None:
-        if o.logprobs is None:
-            return None
-        tok = engine.tokenizer
-        toks = o.token_ids[start:]
-        lps = o.logprobs[start:]
-        return {"tokens": [tok.decode([t]) for t in toks],
-                "token_logprobs": [lp[t].logprob for t, lp in zip(toks, lps)],
-                "top_logprobs": [{tok.decode([k]): v.logprob for k, v in lp.items()} for lp in lps],
-                "text_offset": []}
-
-    def chat_logprobs(o, start: int, top: int) -> dict | None:
-        if o.logprobs is None:
-            return None
-        tok = engine.tokenizer
-        content = []
-        for t, lp in zip(o.token_ids[start:], o.logprobs[start:]):
-            s = tok.decode([t])
-            tops = sorted(((k, v) for k, v in lp.items()), key=lambda kv: kv[1].rank)[:top]
-            content.append({"token": s, "logprob": lp[t].logprob, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": tok.decode([k]), "logprob": v.logprob,
-                                              "bytes": list(tok.decode([k]).encode())} for k, v in tops]})
-        return {"content": content}
-
-    # ------------------------------------------------------------ /v1/completions
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            prompt = {"prompt_token_ids": prompt}
-        else:   # tokenize here, in a worker thread, not in the engine's step loop
-            ids = await asyncio.to_thread(lambda: list(engine.tokenizer(prompt)["input_ids"]))
-            prompt = {"prompt_token_ids": ids, "prompt": prompt}
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", "logprobs")
-        params = _params(body, body.max_tokens, body.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        first, gen = await _results(rid, prompt, params, body.priority)
-        created = int(time.time())
-        if body.stream:
-            return _sse(_completion_stream(rid, created, first, gen, body))
-        out = await _collect(http, first, gen)
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": o.index, "text": o.text, "logprobs": completion_logprobs(o),
-                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs],
-                "usage": usage(out)}
-
-    async def _stream_deltas(first, gen, body, wrap, choice):
-        """One chunk per sequence whose text grew (or that just finished), then the usage chunk."""
-        sent: dict[int, tuple[int, int, bool]] = {}
-
-        async def outputs():
-            yield first
-            if not first.finished:
-                async for o in gen:
-                    yield o
-
-        out = first
-        async for out in outputs():
-            for o in out.outputs:
-                n_text, n_tok, done = sent.get(o.index, (0, 0, False))
-                if done or (len(o.text) == n_text and o.finish_reason is None):
-                    continue
-                sent[o.index] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
-                yield wrap([choice(o, n_text, n_tok)])
-        if body.stream_options and body.stream_options.include_usage:
-            yield wrap([]) | {"usage": usage(out)}
-
-    def _completion_stream(rid, created, first, gen, body):
-        def wrap(choices):
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices}
-
-        def choice(o, n_text, n_tok):
-            return {"index": o.index, "text": o.text[n_text:], "logprobs": completion_logprobs(o, n_tok),
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-        return _stream_deltas(first, gen, body, wrap, choice)
-
-    # ------------------------------------------------------------ /v1/chat/completions
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, http: Request):
-        try:
-            msgs = [message_text(m) for m in body.messages]
-            ids = await asyncio.to_thread(apply_chat_template, engine.tokenizer, msgs, body.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        top = body.top_logprobs
-        if top is not None and not 0 <= top <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", "top_logprobs")
-        lp = (top or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, lp)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await _results(rid, {"prompt_token_ids": ids}, params, body.priority)
-        created = int(time.time())
-        if body.stream:
-            return _sse(_chat_stream(rid, created, first, gen, body, top or 0))
-        out = await _collect(http, first, gen)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": chat_logprobs(o, 0, top or 0), "finish_reason": o.finish_reason,
-                             "stop_reason": o.stop_reason} for o in out.outputs],
-                "usage": usage(out)}
-
-    async def _chat_stream(rid, created, first, gen, body, top):
-        def wrap(choices):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": choices}
-
-        def choice(o, n_text, n_tok):
-            return {"index": o.index, "delta": {"content": o.text[n_text:]},
-                    "logprobs": chat_logprobs(o, n_tok, top), "finish_reason": o.finish_reason}
-
-        for i in range(body.n):
-            yield wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
-        async for c in _stream_deltas(first, gen, body, wrap, choice):
-            yield c
-
+def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
+              max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None) -> FastAPI:
+    from pagedserve.entrypoints.routes import router
+    app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
+    aengine = AsyncLLMEngine(engine, request_timeout_s)
+    metrics = ServerMetrics(engine)
+    aengine.on_step = metrics.on_step
+    state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name)
+    app.state.server = state
+    app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
+    app.add_middleware(Guard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    _install_error_handlers(app)
+    app.include_router(router)
     return app
 
 
-def _sse(agen) -> StreamingResponse:
-    async def body():
-        try:
-            async for obj in agen:
-                yield f"data: {json.dumps(obj)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await agen.aclose()     # client gone: closes the engine stream, which aborts the request
-    return StreamingResponse(body(), media_type="text/event-stream")
+# ---------------------------------------------------------------- running it
+async def drain(state: ServerState, timeout_s: float) -> None:
+    """Graceful shutdown: stop admitting (503 + Retry-After), let requests in flight finish for up
+    to `timeout_s`, then end the rest with a clear error."""
+    state.draining = True
+    log.info("shutting down: %d requests in flight, waiting up to %.0f s", state.aengine.num_unfinished(), timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while state.aengine.num_unfinished() and loop.time() < deadline and state.aengine.dead is None:
+        await asyncio.sleep(0.05)
+    if state.aengine.num_unfinished():
+        log.warning("shutdown timeout: failing %d unfinished requests", state.aengine.num_unfinished())
+        state.aengine.fail_all("shutdown", f"the server shut down before the request finished "
+                                           f"(--shutdown-timeout {timeout_s:g} s)")
+        while state.aengine.num_unfinished() and state.aengine.dead is None:
+            await asyncio.sleep(0.02)
 
 
-def run_server(args: EngineArgs, ns) -> None:
+def run_server(args: EngineArgs, ns) -> int:
+    """Serve until SIGTERM (graceful: exit 0) or SIGINT; exit 1 if the engine dies."""
     import uvicorn
+
     engine = LLMEngine(args)
-    app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes)
+    app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout)
+    state: ServerState = app.state.server
+    exit_code = 0
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):    # uvicorn's own handler would stop at once and re-raise SIGTERM
+            if sig == signal.SIGTERM and not state.draining:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(shutdown()))
+            else:
+                super().handle_exit(sig, frame)
+
+    async def shutdown():
+        await drain(state, ns.shutdown_timeout)
+        await asyncio.sleep(0.2)          # let the last responses flush
+        server.should_exit = True
+
+    def engine_died(err):
+        nonlocal exit_code
+        exit_code = 1
+        log.critical("the engine died; exiting in %.0f s so a supervisor restarts the server", ns.dead_engine_grace)
+        loop.call_soon_threadsafe(loop.call_later, ns.dead_engine_grace, setattr, server, "should_exit", True)
+
+    server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+    state.aengine.on_dead = engine_died
     log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+        loop.run_until_complete(server.serve())
     finally:
-        app.state.aengine.shutdown()
+        state.aengine.shutdown()
+        loop.close()
+    return exit_code

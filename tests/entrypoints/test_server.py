@@ -136,7 +136,7 @@ def test_metrics_follow_requests(server, client):
     assert metric(base, "pagedserve:kv_cache_usage_perc") == 0.0
     assert metric(base, "pagedserve:max_num_seqs") == 32
     assert metric(base, "pagedserve:kv_blocks_total") == 599
-    dbg = httpx.get(base + "/debug/scheduler").json()
+    dbg = httpx.get(base + "/debug/scheduler", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert dbg["running"] == [] and dbg["kv"]["blocks_free"] == 599
 
 
