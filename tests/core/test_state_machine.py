@@ -1,0 +1,156 @@
+"""Property tests: BlockPool + KVCacheManager + Scheduler driven by hypothesis, without a model.
+
+A random program of add (n, lengths, shared prefixes, priorities), step (random sampled tokens,
+EOS, stop tokens, lengths), abort, with forks, preemption by recompute and by swap and
+prefix-cache eviction happening as the small pool forces them. After every rule the bookkeeping
+must be exact; at the end, after aborting everything, no block is owned."""
+from __future__ import annotations
+
+import collections
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.errors import ParamError
+from pagedserve.sampling_params import SamplingParams
+
+EOS, STOP = 2, 3
+PREFIXES = [[], list(range(10, 22)), list(range(30, 39))]     # shared prefixes, so the prefix cache hits
+RULES = collections.Counter()
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([2, 4, 8]),
+                mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.integers(1, 8),
+                budget=st.integers(4, 64), chunk=st.integers(1, 32), caching=st.booleans(),
+                host_blocks=st.integers(0, 24))
+    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks):
+        self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0)
+        self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                             max_model_len=64, long_prefill_token_threshold=chunk,
+                                             preemption_mode=mode), self.kv)
+        self.users: dict[str, list[Request]] = {}     # user request -> its sequences
+        self.next_id = 0
+
+    def _record(self, name):
+        RULES[name] += 1
+
+    @rule(n=st.integers(1, 3), prefix=st.integers(0, len(PREFIXES) - 1), tail=st.integers(1, 20),
+          max_tokens=st.integers(1, 12), priority=st.integers(-1, 1), stop_token=st.booleans(),
+          ignore_eos=st.booleans())
+    def add(self, n, prefix, tail, max_tokens, priority, stop_token, ignore_eos):
+        self._record("add")
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        prompt = PREFIXES[prefix] + [100 + (self.next_id * 7 + i) % 50 for i in range(tail)]
+        params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[STOP] if stop_token else [])
+        req = Request(rid, prompt, params, max_tokens, eos_token_ids=() if ignore_eos else (EOS,),
+                      priority=priority, num_samples=n)
+        before = (self.kv.num_free_blocks, len(self.sch.waiting))
+        try:
+            self.sch.add_request(req)
+        except ParamError:
+            assert (self.kv.num_free_blocks, len(self.sch.waiting)) == before     # rejected: nothing changed
+            return
+        self.users[rid] = [req]
+
+    @rule(tokens=st.lists(st.integers(0, 60), min_size=32, max_size=32))
+    def step(self, tokens):
+        self._record("step")
+        so = self.sch.schedule()
+        assert so.num_tokens <= self.sch.cfg.max_num_batched_tokens
+        sampled, it = {}, iter(tokens * 8)
+        for s in so.seqs:
+            if s.sample:
+                k = s.request.num_pending_forks + 1
+                sampled[s.request.request_id] = [next(it) for _ in range(k)]
+        for u in self.sch.update_from_output(so, sampled, 0.0):
+            if u.sample_index:
+                self.users[u.request.parent_id].append(u.request)
+        for rid in [r for r, seqs in self.users.items() if all(q.status.finished for q in seqs)
+                    and len(seqs) == seqs[0].num_samples]:
+            del self.users[rid]
+
+    @precondition(lambda self: self.users)
+    @rule(pick=st.integers(0, 10**6))
+    def abort(self, pick):
+        self._record("abort")
+        rid = sorted(self.users)[pick % len(self.users)]
+        for q in self.users.pop(rid):
+            self.sch.abort(q.request_id)
+            assert q.status.finished
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def blocks_are_accounted(self):
+        pool = self.kv.pool
+        holders = collections.Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks)
+        free_ids = pool.free_queue.ids()
+        assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
+            assert (b.ref_cnt == 0) == (b.block_id in free_ids)          # free xor owned
+        used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        cached_free = sum(1 for b in pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is not None)
+        truly_free = pool.num_free_blocks - cached_free
+        assert truly_free + cached_free + used == pool.num_usable_blocks
+        assert pool.null_block.ref_cnt == 1 and 0 not in holders
+
+    @invariant()
+    def prefix_index_names_its_blocks(self):
+        for h, b in self.kv.pool.cached.items():
+            assert b.block_hash == h
+        for rid, blocks in self.kv.req_blocks.items():
+            req = self.sch.requests[rid]
+            for i, b in enumerate(blocks[: self.kv.num_hashed[rid]]):
+                if b.block_hash is not None:
+                    assert b.block_hash == req.block_hashes[i]
+                    # the block's tokens are the request's tokens at that position
+                    bs = self.kv.block_size
+                    assert len(req.all_token_ids) >= (i + 1) * bs
+
+    @invariant()
+    def queues_are_disjoint_and_match_states(self):
+        sch, kv = self.sch, self.kv
+        running = {r.request_id for r in sch.running}
+        waiting = [r for _, r in sch.waiting]
+        waiting_ids = {r.request_id for r in waiting}
+        assert len(running) == len(sch.running) and len(waiting_ids) == len(waiting)
+        assert not running & waiting_ids
+        assert running | waiting_ids == set(sch.requests)
+        assert all(r.status is RequestStatus.RUNNING for r in sch.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED) for r in waiting)
+        assert set(kv.swapped) == {r.request_id for r in waiting if r.status is RequestStatus.SWAPPED}
+        assert set(kv.req_blocks) <= running
+        keys = [k for k, _ in sch.waiting]
+        assert len(keys) == len(set(keys))                                     # a total order: no ties
+        assert sch.running == sorted(sch.running, key=lambda r: r.sort_key)
+        assert sch.num_seqs() <= sch.cfg.max_num_seqs
+        host = list(kv.host_free) + [h for hs in kv.swapped.values() for h in hs]
+        assert sorted(host) == list(range(kv.num_host_blocks))
+
+    def teardown(self):
+        if not hasattr(self, "sch"):
+            return
+        for rid in list(self.users):
+            for q in self.users.pop(rid):
+                self.sch.abort(q.request_id)
+        assert not self.sch.running and not self.sch.waiting and not self.sch.requests
+        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks[1:])
+        assert self.kv.num_free_blocks == self.kv.pool.num_usable_blocks
+        assert not self.kv.req_blocks and not self.kv.swapped
+
+
+def test_scheduler_state_machine():
+    RULES.clear()
+    run_state_machine_as_test(SchedulerMachine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=list(HealthCheck)))
+    total = sum(RULES.values())
+    print(f"\nstate machine: {total} rules ({dict(RULES)})")
+    assert total >= 3000 and RULES["step"] >= 1000
