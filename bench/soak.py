@@ -1,0 +1,265 @@
+"""Soak: many requests over real HTTP against a `pagedserve serve` whose KV pool is small enough to
+force preemption, the way users send them: streaming and not, chat and completions, n in 1..3,
+stop strings, priorities, streams dropped mid-way, client timeouts, aborted requests, and a few
+hostile fields beside the well-formed ones.
+
+It asserts that every request either completed with the right token count, was cut by its own
+client, or (hostile) got a 400; that no answer says "abort" or "error" unless the client caused
+it; no 5xx; nothing hung; afterwards nothing runs or waits, every KV block is free or cached, and
+the server is healthy. Exit status 1 if any of that fails.
+
+Usage: python bench/soak.py [--requests 1000] [--concurrency 16] [--num-kv-blocks 48] [--preemption-mode swap] [--url URL]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+WORDS = ("paged attention keeps the cache in blocks while continuous batching lets requests join and leave "
+         "every step so long prompts are chunked and short ones finish early").split()
+SYSTEM = "You are a terse assistant. " * 6          # a shared prefix for the prefix cache
+HOSTILE = [{"temperature": float("inf")}, {"seed": 2**64}, {"n": 10**6}, {"top_k": 2**63}, {"logprobs": 99},
+           {"prompt": "abc \ud800 def"}, {"stop": ["x"] * 10_000}]
+
+
+def plan(i: int, rng: random.Random, max_tokens: int) -> dict:
+    """What request i is and what its client will do."""
+    chat = rng.random() < 0.5
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+    p = {"i": i, "chat": chat, "stream": rng.random() < 0.5, "n": rng.choice((1, 1, 2, 3)),
+         "max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens), "priority": rng.choice((-1, 0, 0, 1)),
+         "stop": [rng.choice(WORDS)] if rng.random() < 0.2 else None, "action": "complete"}
+    p["body"] = ({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words}]} if chat
+                 else {"prompt": SYSTEM + words})
+    r = rng.random()
+    if r < 0.03:
+        p["action"], p["hostile"] = "hostile", rng.choice(HOSTILE)
+    elif p["stream"] and r < 0.18:
+        p["action"], p["after_chunks"] = "disconnect", rng.randint(1, 6)
+    elif r < 0.23:
+        p["action"], p["timeout"] = "client_timeout", rng.uniform(0.2, 2.0)
+    elif r < 0.26:
+        p["action"], p["cancel_after"] = "abort", rng.uniform(0.05, 1.0)
+    return p
+
+
+def request_body(p: dict) -> dict:
+    body = dict(p["body"], n=p["n"], max_tokens=p["max_tokens"], temperature=0.8, seed=p["i"], ignore_eos=True,
+                priority=p["priority"], stream=p["stream"])
+    if p["stop"]:
+        body["stop"] = p["stop"]
+    if p["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    if p["action"] == "hostile":
+        bad = dict(p["hostile"])
+        if p["chat"] and "prompt" in bad:
+            bad = {"messages": [{"role": "user", "content": bad.pop("prompt")}]}
+        body.update(bad)
+    return body
+
+
+JSON = {"content-type": "application/json"}
+
+
+def encode(p: dict) -> bytes:
+    """json.dumps as Python has it: Infinity and lone surrogates travel, as hostile clients send them."""
+    return json.dumps(request_body(p)).encode()
+
+
+def check_tokens(p: dict, reasons: list, completion_tokens: int) -> str:
+    """'ok', or what is wrong with a finished answer."""
+    if len(reasons) != p["n"]:
+        return f"{len(reasons)} choices for n={p['n']}"
+    bad = [r for r in reasons if r not in ("stop", "length")]
+    if bad:
+        return f"finish_reason {bad[0]!r} the client did not cause"
+    if "stop" in reasons and not p["stop"]:
+        return "stopped early without a stop string (EOS is ignored)"
+    n_len = reasons.count("length")
+    lo, hi = n_len * p["max_tokens"], p["n"] * p["max_tokens"]
+    if not lo <= completion_tokens <= hi or (n_len == p["n"] and completion_tokens != hi):
+        return f"{completion_tokens} tokens for n={p['n']} x max_tokens={p['max_tokens']} ({reasons})"
+    return "ok"
+
+
+async def run_one(client: httpx.AsyncClient, p: dict, hang_s: float) -> dict:
+    path = "/v1/chat/completions" if p["chat"] else "/v1/completions"
+    t0 = time.perf_counter()
+    res = {"i": p["i"], "action": p["action"]}
+    try:
+        coro = (stream_one if p["stream"] else plain_one)(client, path, p)
+        limit = {"client_timeout": p.get("timeout"), "abort": p.get("cancel_after")}.get(p["action"]) or hang_s
+        res.update(await asyncio.wait_for(coro, timeout=limit))
+    except (asyncio.TimeoutError, TimeoutError):
+        res["outcome"] = "hung" if p["action"] not in ("client_timeout", "abort") else "client_cut"
+    except httpx.HTTPError as e:
+        res["outcome"], res["detail"] = "transport_error", repr(e)
+    res["latency_s"] = time.perf_counter() - t0
+    return res
+
+
+async def plain_one(client, path, p) -> dict:
+    r = await client.post(path, content=encode(p), headers=JSON)
+    if r.status_code != 200:
+        return {"outcome": "4xx" if r.status_code < 500 else "5xx", "status": r.status_code, "detail": r.text[:200]}
+    j = r.json()
+    reasons = [c["finish_reason"] for c in sorted(j["choices"], key=lambda c: c["index"])]
+    return {"outcome": check_tokens(p, reasons, j["usage"]["completion_tokens"]), "tokens": j["usage"]["completion_tokens"]}
+
+
+async def stream_one(client, path, p) -> dict:
+    reasons: dict[int, str] = {}
+    usage, chunks = None, 0
+    async with client.stream("POST", path, content=encode(p), headers=JSON) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"outcome": "4xx" if r.status_code < 500 else "5xx", "status": r.status_code,
+                    "detail": r.text[:200]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return {"outcome": "5xx" if obj["error"]["code"] >= 500 else "4xx", "detail": str(obj["error"])}
+            chunks += 1
+            if p["action"] == "disconnect" and chunks >= p["after_chunks"]:
+                return {"outcome": "client_cut"}
+            for c in obj.get("choices", []):
+                if c.get("finish_reason"):
+                    reasons[c["index"]] = c["finish_reason"]
+            usage = obj.get("usage") or usage
+    if usage is None:
+        return {"outcome": "stream ended without usage"}
+    return {"outcome": check_tokens(p, [reasons[k] for k in sorted(reasons)], usage["completion_tokens"]),
+            "tokens": usage["completion_tokens"]}
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
+
+
+async def soak(base: str, a) -> dict:
+    rng = random.Random(a.seed)
+    plans = [plan(i, rng, a.max_tokens) for i in range(a.requests)]
+    sem = asyncio.Semaphore(a.concurrency)
+    limits = httpx.Limits(max_connections=a.concurrency * 2)
+    async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
+        async def guarded(p):
+            async with sem:
+                return await run_one(client, p, a.hang_s)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p) for p in plans))
+        wall = time.perf_counter() - t0
+    return {"results": results, "wall_s": wall, "plans": plans}
+
+
+def settle(base: str, timeout_s: float = 30.0) -> dict:
+    """Wait for the server to go idle; return its scheduler state."""
+    t0 = time.time()
+    while True:
+        dbg = httpx.get(base + "/debug/scheduler", timeout=10).json()
+        if (not dbg["running"] and not dbg["waiting"]) or time.time() - t0 > timeout_s:
+            return dbg
+        time.sleep(0.2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--num-kv-blocks", type=int, default=48)
+    ap.add_argument("--preemption-mode", default="recompute")
+    ap.add_argument("--hang-s", type=float, default=150.0, help="a request with no answer after this is 'hung'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--url", default=None, help="soak a running server instead of starting one")
+    ap.add_argument("--json", default=None, help="write the summary here")
+    a = ap.parse_args(argv)
+    srv = None
+    if a.url:
+        base = a.url.rstrip("/")
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+                                "--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
+                                "--preemption-mode", a.preemption_mode, "--swap-space", "0.05"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(900):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        rss0 = rss_bytes(srv.pid) if srv else None
+        run = asyncio.run(soak(base, a))
+        dbg = settle(base)
+        health = httpx.get(base + "/health", timeout=10).status_code
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        rss1 = rss_bytes(srv.pid) if srv else None
+    finally:
+        if srv is not None:
+            srv.terminate()
+            srv.wait(timeout=60)
+    summary = summarize(run, dbg, health, metrics, rss0, rss1, a)
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0 if not summary["failures"] else 1
+
+
+def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
+    res = run["results"]
+    outcomes = collections.Counter(r["outcome"] for r in res)
+    failures = []
+    for r in res:
+        expected = {"hostile": ("4xx",), "disconnect": ("client_cut", "ok"), "client_timeout": ("client_cut", "ok"),
+                    "abort": ("client_cut", "ok"), "complete": ("ok",)}[r["action"]]
+        if r["outcome"] not in expected:
+            failures.append({k: r.get(k) for k in ("i", "action", "outcome", "status", "detail")})
+    preemptions = next((float(x.split()[-1]) for x in metrics.splitlines()
+                        if x.startswith("pagedserve:num_preemptions_total")), 0.0)
+    kv_ok = dbg["kv"]["blocks_free"] == dbg["kv"]["blocks_total"] and not dbg["running"] and not dbg["waiting"]
+    if not kv_ok:
+        failures.append({"leak": dbg["kv"], "running": len(dbg["running"]), "waiting": len(dbg["waiting"])})
+    if health != 200:
+        failures.append({"health": health})
+    lat = [r["latency_s"] for r in res if r["outcome"] == "ok"]
+    return {
+        "requests": len(res), "concurrency": a.concurrency, "wall_s": round(run["wall_s"], 1),
+        "completed": outcomes["ok"], "client_cut": outcomes["client_cut"], "rejected_hostile": sum(
+            1 for r in res if r["action"] == "hostile" and r["outcome"] == "4xx"),
+        "lost": len(failures), "5xx": outcomes["5xx"], "hung": outcomes["hung"],
+        "leaked_blocks": dbg["kv"]["blocks_total"] - dbg["kv"]["blocks_free"], "healthy_after": health == 200,
+        "preemptions": int(preemptions), "latency_p50_s": round(pct(lat, 50) or 0, 2),
+        "latency_p99_s": round(pct(lat, 99) or 0, 2), "output_tokens": sum(r.get("tokens", 0) for r in res),
+        "rss_before_mb": rss0 and round(rss0 / 2**20), "rss_after_mb": rss1 and round(rss1 / 2**20),
+        "outcomes": dict(outcomes), "failures": failures[:20],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
