@@ -106,7 +106,11 @@ class AsyncLLMEngine:
                 raise self.dead
             self._inbox.put(sub)
         self._wake.set()
-        await sub.accepted
+        try:
+            await sub.accepted
+        except asyncio.CancelledError:     # the client left while the request was being added
+            self.abort(request_id)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:

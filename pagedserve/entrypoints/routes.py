@@ -217,15 +217,27 @@ async def _deltas(stream: RequestStream, body, wrap, choice):
         yield wrap([]) | {"usage": _usage(out)}
 
 
+class _EngineStreamResponse(StreamingResponse):
+    """SSE over a RequestStream. However the response ends (done, client gone before or during the
+    body), the request is aborted if it is still running: a no-op once it finished."""
+
+    def __init__(self, body, stream: RequestStream):
+        super().__init__(body, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.abort()
+
+
 def _sse(chunks, stream: RequestStream) -> StreamingResponse:
     async def body():
-        try:
-            async for obj in chunks:
-                yield f"data: {json.dumps(obj)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.abort()     # the client went away mid-stream (a no-op once finished)
-    return StreamingResponse(body(), media_type="text/event-stream")
+        async for obj in chunks:
+            yield f"data: {json.dumps(obj)}\n\n"
+        yield "data: [DONE]\n\n"
+    return _EngineStreamResponse(body(), stream)
 
 
 def _usage(out: RequestOutput) -> dict:

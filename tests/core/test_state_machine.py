@@ -7,6 +7,7 @@ must be exact; at the end, after aborting everything, no block is owned."""
 from __future__ import annotations
 
 import collections
+import random
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -25,14 +26,14 @@ RULES = collections.Counter()
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([2, 4, 8]),
+    @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4, 8]),
                 mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.integers(1, 8),
                 budget=st.integers(4, 64), chunk=st.integers(1, 32), caching=st.booleans(),
-                host_blocks=st.integers(0, 24))
+                host_blocks=st.integers(0, 48))
     def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks):
         self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0)
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                             max_model_len=64, long_prefill_token_threshold=chunk,
+                                             max_model_len=96, long_prefill_token_threshold=chunk,
                                              preemption_mode=mode), self.kv)
         self.users: dict[str, list[Request]] = {}     # user request -> its sequences
         self.next_id = 0
@@ -41,7 +42,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         RULES[name] += 1
 
     @rule(n=st.integers(1, 3), prefix=st.integers(0, len(PREFIXES) - 1), tail=st.integers(1, 20),
-          max_tokens=st.integers(1, 12), priority=st.integers(-1, 1), stop_token=st.booleans(),
+          max_tokens=st.integers(1, 40), priority=st.integers(-1, 1), stop_token=st.booleans(),
           ignore_eos=st.booleans())
     def add(self, n, prefix, tail, max_tokens, priority, stop_token, ignore_eos):
         self._record("add")
@@ -59,22 +60,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.users[rid] = [req]
 
-    @rule(tokens=st.lists(st.integers(0, 60), min_size=32, max_size=32))
-    def step(self, tokens):
-        self._record("step")
-        so = self.sch.schedule()
-        assert so.num_tokens <= self.sch.cfg.max_num_batched_tokens
-        sampled, it = {}, iter(tokens * 8)
-        for s in so.seqs:
-            if s.sample:
-                k = s.request.num_pending_forks + 1
-                sampled[s.request.request_id] = [next(it) for _ in range(k)]
-        for u in self.sch.update_from_output(so, sampled, 0.0):
-            if u.sample_index:
-                self.users[u.request.parent_id].append(u.request)
-        for rid in [r for r, seqs in self.users.items() if all(q.status.finished for q in seqs)
-                    and len(seqs) == seqs[0].num_samples]:
-            del self.users[rid]
+    @rule(k=st.integers(1, 6), seed=st.integers(0, 2**32))
+    def steps(self, k, seed):
+        """k engine steps; the fake runner samples tokens from a seeded generator (EOS and the stop
+        token included)."""
+        self._record("steps")
+        rng = random.Random(seed)
+        for _ in range(k):
+            RULES["step"] += 1
+            evictions = self.kv.pool.num_evictions
+            so = self.sch.schedule()
+            assert so.num_tokens <= self.sch.cfg.max_num_batched_tokens
+            RULES["preempted"] += len(so.preempted)
+            RULES["swapped_out"] += len(so.block_ops.swap_out)
+            RULES["copy_on_write"] += len(so.block_ops.copy)
+            RULES["evicted"] += self.kv.pool.num_evictions - evictions
+            sampled = {s.request.request_id: [rng.randrange(60) for _ in range(s.request.num_pending_forks + 1)]
+                       for s in so.seqs if s.sample}
+            for u in self.sch.update_from_output(so, sampled, 0.0):
+                if u.sample_index:
+                    RULES["forked"] += 1
+                    self.users[u.request.parent_id].append(u.request)
+            for rid in [r for r, seqs in self.users.items() if all(q.status.finished for q in seqs)
+                        and len(seqs) == seqs[0].num_samples]:
+                del self.users[rid]
 
     @precondition(lambda self: self.users)
     @rule(pick=st.integers(0, 10**6))
@@ -151,6 +160,8 @@ def test_scheduler_state_machine():
     run_state_machine_as_test(SchedulerMachine, settings=settings(
         max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))
-    total = sum(RULES.values())
+    total = RULES["add"] + RULES["steps"] + RULES["abort"]
     print(f"\nstate machine: {total} rules ({dict(RULES)})")
     assert total >= 3000 and RULES["step"] >= 1000
+    # the program reached every mechanism it is meant to check
+    assert all(RULES[k] > 0 for k in ("preempted", "swapped_out", "copy_on_write", "evicted", "forked"))
