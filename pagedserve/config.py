@@ -63,6 +63,10 @@ class EngineArgs:
             bad("swap_space", "must be a non-negative number of GiB")
 
     @classmethod
+    def defaults(cls) -> dict:
+        return {f.name: f.default for f in fields(cls)}
+
+    @classmethod
     def field_specs(cls):
         """(name, type, default, help) of every field: what the CLI builds its flags from."""
         for f in fields(cls):

@@ -49,14 +49,13 @@ class IncrementalDetokenizer:
     tokens; text ending in U+FFFD is an incomplete UTF-8 character, so it waits for more tokens.
     """
 
-    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_special")
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "skip_special")
 
     def __init__(self, tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-6:]) if prompt_ids else []   # context for leading spaces
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
         self.skip_special = skip_special_tokens
 
     def add(self, token_id: int) -> str:
@@ -67,6 +66,5 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
             return delta
         return ""

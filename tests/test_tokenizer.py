@@ -15,5 +15,5 @@ def test_incremental_detokenization_across_multibyte_characters(tokenizer):
     assert any(p.endswith("\ufffd") for p in partial)
     d = IncrementalDetokenizer(tokenizer)
     deltas = [d.add(t) for t in ids]
-    assert "".join(deltas) == text == d.text
+    assert "".join(deltas) == text
     assert all("\ufffd" not in x for x in deltas)

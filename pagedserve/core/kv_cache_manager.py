@@ -37,7 +37,6 @@ class KVCacheManager:
         # contiguous policy: reserve this many tokens' worth of blocks at admission (None = paged)
         self.reserve_tokens = reserve_tokens
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}     # the block table handed to the runner
         self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
         self.host_free: deque[int] = deque(range(num_host_blocks))
         self.num_host_blocks = num_host_blocks
@@ -57,8 +56,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.req_block_ids.get(request_id, [])
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table as the runner gets it (derived from the blocks it holds)."""
+        return tuple(b.block_id for b in self.req_blocks.get(request_id, ()))
 
     def num_shared_savings(self) -> int:
         """Blocks that sharing (forks, prefix hits) saved: sum of (refcount - 1) over shared blocks."""
@@ -113,23 +113,21 @@ class KVCacheManager:
             return False
         rid = req.request_id
         if rid not in self.req_blocks:
-            self.req_blocks[rid], self.req_block_ids[rid], self.num_hashed[rid] = [], [], 0
-        blocks, ids = self.req_blocks[rid], self.req_block_ids[rid]
+            self.req_blocks[rid], self.num_hashed[rid] = [], 0
+        blocks = self.req_blocks[rid]
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
-            ids.extend(b.block_id for b in computed)
             self.num_hashed[rid] = len(blocks)
         if cow:
             old = blocks[-1]
             new = self.pool.get_new_blocks(1)[0]
             self.ops.copy.append((old.block_id, new.block_id))
             self.pool.free_blocks([old])
-            blocks[-1], ids[-1] = new, new.block_id
+            blocks[-1] = new
         if need_new:
             fresh = self.pool.get_new_blocks(need_new)
             blocks.extend(fresh)
-            ids.extend(b.block_id for b in fresh)
         self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
@@ -159,7 +157,6 @@ class KVCacheManager:
         self.pool.touch(blocks)
         cid = child.request_id
         self.req_blocks[cid] = list(blocks)
-        self.req_block_ids[cid] = list(self.req_block_ids[parent.request_id])
         self.num_hashed[cid] = self.num_hashed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
@@ -175,7 +172,6 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
-        self.req_block_ids.pop(rid, None)
         self.num_hashed.pop(rid, None)
 
     # ------------------------------------------------------------ swap tier
@@ -200,7 +196,6 @@ class KVCacheManager:
         del self.swapped[rid]
         self.host_free.extend(host)
         self.req_blocks[rid] = blocks
-        self.req_block_ids[rid] = [b.block_id for b in blocks]
         self.num_hashed[rid] = 0
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)

@@ -8,66 +8,46 @@ import bisect
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
+from pagedserve.config import EngineArgs
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.step import ScheduledSeq, SchedulerOutput, SeqUpdate
 from pagedserve.errors import ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
 
 
+_ARGS = EngineArgs.defaults()
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 512      # chunk limit: most prompt tokens one request computes per step
-    preemption_mode: str = "recompute"           # "recompute" | "swap"
-    max_waiting_requests: int | None = None      # bounded queue; None = unbounded
-    policy: str = "continuous"                   # "continuous" | "static" (a batch runs until its longest member ends)
+    """The scheduler's slice of EngineArgs: the same names, and the defaults are EngineArgs' own."""
 
+    max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
+    max_num_seqs: int = _ARGS["max_num_seqs"]
+    max_model_len: int = 8192                    # EngineArgs' None resolves to the model's context, at most this
+    enable_chunked_prefill: bool = _ARGS["enable_chunked_prefill"]
+    long_prefill_token_threshold: int = _ARGS["long_prefill_token_threshold"]
+    preemption_mode: str = _ARGS["preemption_mode"]
+    max_waiting_requests: int | None = _ARGS["max_waiting_requests"]
+    policy: str = _ARGS["scheduling_policy"]     # "continuous" | "static" (a batch runs until its longest member ends)
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's share of the step: compute tokens [start, start + num_tokens) of it."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_ids: list[int]
-    sample: bool                 # this chunk reaches the request's last token: sample from its logits
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)     # decodes (num_tokens == 1) first
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    block_ops: BlockOps = field(default_factory=BlockOps)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-
-@dataclass(slots=True)
-class SeqUpdate:
-    """One sequence's new token from a step, already applied by the scheduler."""
-
-    request: Request             # the sequence; a new fork when sample_index > 0
-    row_id: str                  # the scheduled sequence whose logits the token was sampled from
-    sample_index: int            # which of that row's samples (0, or 1..n-1 for the forks of an n > 1 request)
-    token_id: int
-    finished: bool
+    @classmethod
+    def from_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        return cls(args.max_num_batched_tokens, args.max_num_seqs, max_model_len, args.enable_chunked_prefill,
+                   args.long_prefill_token_threshold, args.preemption_mode, args.max_waiting_requests,
+                   args.scheduling_policy)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.kv = kv
+        self.clock = clock                        # injectable: the simulator runs on simulated time
         self.waiting: list[tuple[tuple[int, int], Request]] = []   # heap on (priority, arrival_seq)
         self.running: list[Request] = []          # kept sorted by (priority, arrival): victims come off the end
         self.requests: dict[str, Request] = {}
@@ -127,15 +107,17 @@ class Scheduler:
 
     # ------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        out.seqs.sort(key=lambda s: s.num_tokens != 1)    # decodes first: the runner batches them
-        for s in out.seqs:
-            s.request.num_computed_tokens += s.num_tokens
-        out.block_ops = self.kv.take_ops()
-        return out
+        plan: list[tuple[Request, int]] = []      # (request, tokens to compute), in scheduling order
+        preempted: list[str] = []
+        budget = self._schedule_running(plan, preempted, self.cfg.max_num_batched_tokens)
+        if not preempted:
+            self._schedule_waiting(plan, budget)
+        plan.sort(key=lambda p: p[1] != 1)        # decodes first: the runner batches them
+        seqs = tuple(ScheduledSeq.of(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id),
+                                     req.num_computed_tokens + n == req.num_tokens) for req, n in plan)
+        for req, n in plan:
+            req.num_computed_tokens += n
+        return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted))
 
     def _chunk(self, req: Request, budget: int, num_computed: int | None = None) -> int:
         done = req.num_computed_tokens if num_computed is None else num_computed
@@ -144,7 +126,7 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, plan: list, preempted: list[str], budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -154,17 +136,17 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]         # lowest priority, most recently admitted: not yet scheduled
-                self._preempt(victim, out)
+                self._preempt(victim, preempted)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:    # preempted itself: nothing below it runs either
                 continue
-            self._add(out, req, n)
+            plan.append((req, n))
             budget -= n
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, plan: list, budget: int) -> None:
         static = self.cfg.policy == "static"
         if static and not self.static_batch:
             # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
@@ -199,9 +181,9 @@ class Scheduler:
             heapq.heappop(self.waiting)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+                req.first_scheduled_time = self.clock()
             bisect.insort(self.running, req, key=_sort_key)
-            self._add(out, req, n)
+            plan.append((req, n))
             budget -= n
             num_seqs += 1 + req.num_pending_forks
 
@@ -209,15 +191,7 @@ class Scheduler:
         """Running sequences, counting the forks an n > 1 request adds at its first token."""
         return len(self.running) + sum(r.num_pending_forks for r in self.running)
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        sample = req.num_computed_tokens + n == req.num_tokens
-        out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), sample))
-        if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
-            out.num_decode_tokens += 1
-        else:
-            out.num_prefill_tokens += n
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, preempted: list[str]) -> None:
         self.running.remove(req)
         if self.cfg.preemption_mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
@@ -228,20 +202,20 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(req.request_id)
+        preempted.append(req.request_id)
         self._push_waiting(req)
 
     # ------------------------------------------------------------ after the step
-    def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]],
-                           now: float) -> list[SeqUpdate]:
+    def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> list[SeqUpdate]:
         """Apply the runner's sampled tokens: fork n > 1 requests at their first token, append, and
         finish on EOS, a stop token or length. Stop strings need text: the engine checks those and
         calls finish()."""
         updates: list[SeqUpdate] = []
+        now = self.clock()
         for s in so.seqs:
-            req = s.request
-            tokens = sampled.get(req.request_id)
-            if not tokens or req.status is not RequestStatus.RUNNING:
+            tokens = sampled.get(s.request_id)
+            req = self.requests.get(s.request_id)
+            if not tokens or req is None or req.status is not RequestStatus.RUNNING:
                 continue
             for i, tok in enumerate(tokens[1:], start=1):
                 updates.append(self._apply_token(self._fork(req, i), req.request_id, i, tok, now))

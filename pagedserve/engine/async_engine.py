@@ -63,18 +63,19 @@ class RequestStream:
 
 @dataclass(slots=True)
 class _Submit:
-    stream: RequestStream
+    out: RequestStream
     prompt: object
     params: SamplingParams
     priority: int
     arrival_time: float
     accepted: asyncio.Future
+    stream: bool
 
     def resolve(self, error: BaseException | None) -> None:
         def set_result(f: asyncio.Future = self.accepted):
             if not f.done():
                 f.set_exception(error) if error is not None else f.set_result(None)
-        self.stream.loop.call_soon_threadsafe(set_result)
+        self.out.loop.call_soon_threadsafe(set_result)
 
 
 class AsyncLLMEngine:
@@ -94,13 +95,14 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ------------------------------------------------------------ called from asyncio
-    async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
+                          stream: bool = True) -> RequestStream:
         """Submit a request; raises what engine.add_request raises (ParamError, QueueFullError) or
-        EngineDeadError. Iterate the returned stream for its outputs."""
+        EngineDeadError. Iterate the returned stream for its outputs: deltas after every step when
+        `stream`, else one full output at the end."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
-        sub = _Submit(stream, prompt, params, priority, time.monotonic(), loop.create_future())
+        rs = RequestStream(self, request_id, loop)
+        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream)
         with self._lock:
             if self.dead is not None:
                 raise self.dead
@@ -111,7 +113,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:     # the client left while the request was being added
             self.abort(request_id)
             raise
-        return stream
+        return rs
 
     def abort(self, request_id: str) -> None:
         self._call(lambda: self._deliver([self.engine.abort(request_id)]))
@@ -161,14 +163,14 @@ class AsyncLLMEngine:
                 item()
                 continue
             try:
-                self.engine.add_request(item.stream.request_id, item.prompt, item.params, priority=item.priority,
-                                        stream=True, arrival_time=item.arrival_time)
+                self.engine.add_request(item.out.request_id, item.prompt, item.params, priority=item.priority,
+                                        stream=item.stream, arrival_time=item.arrival_time)
             except Exception as e:      # reported to the caller; the engine changed nothing
                 item.resolve(e)
                 continue
-            self._streams[item.stream.request_id] = item.stream
+            self._streams[item.out.request_id] = item.out
             if self.request_timeout_s is not None:
-                heapq.heappush(self._deadlines, (item.arrival_time + self.request_timeout_s, item.stream.request_id))
+                heapq.heappush(self._deadlines, (item.arrival_time + self.request_timeout_s, item.out.request_id))
             item.resolve(None)
 
     def _expire(self) -> None:

@@ -5,50 +5,25 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.config import EngineArgs, parse_bytes
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
-from pagedserve.engine.outputs import (CompletionOutput, EngineCounters, RequestFailure, RequestMetrics,
-                                       RequestOutput, StepStats)
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.step import SchedulerOutput
+from pagedserve.engine.output_processor import OutputProcessor, RequestState
+from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
 GiB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True, eq=False)
-class RequestState:
-    """The engine's view of one user request: its n sequences and what they produced so far. The
-    sequences' status and stop reason live on each `Request` (the scheduler owns them)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    arrival_time: float
-    seqs: list[Request] = field(default_factory=list)
-    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    logprobs: list[list | None] = field(default_factory=list)
-    cum_logprobs: list[float] = field(default_factory=list)
-    error: RequestFailure | None = None
-
-    @property
-    def finished(self) -> bool:
-        if self.error is not None or self.seqs[0].status is RequestStatus.FINISHED_ABORTED:
-            return True
-        return len(self.seqs) == self.params.n and all(r.status.finished for r in self.seqs)
 
 
 class LLMEngine:
@@ -73,17 +48,14 @@ class LLMEngine:
         num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, preemption_mode=args.preemption_mode,
-            max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed)
         self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.counters = EngineCounters()
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.counters)
         self.last_stats = StepStats()
         self._ids = itertools.count()
 
@@ -157,31 +129,19 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
-        st = RequestState(request_id, text, ids, params, stream, req.arrival_time)
-        self._add_seq(st, req)
-        self.states[request_id] = st
+        self.states[request_id] = self.outputs.new_state(request_id, text, req, stream)
         return request_id
-
-    def _add_seq(self, st: RequestState, req: Request) -> None:
-        p = st.params
-        need_detok = st.stream or bool(p.stop)
-        st.seqs.append(req)
-        st.detoks.append(IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.skip_special_tokens)
-                         if need_detok else None)
-        st.texts.append("")
-        st.logprobs.append([] if p.logprobs is not None else None)
-        st.cum_logprobs.append(0.0)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""
         st = self.states.pop(request_id, None)
         if st is None:
             return None
-        for req in st.seqs:
-            self.scheduler.abort(req.request_id)
-            self.runner.sampler.forget(req.request_id)
-        self._count_finish("abort")
-        return self._output(st)
+        for seq in st.seqs:
+            self.scheduler.abort(seq.request.request_id)
+            self.runner.sampler.forget(seq.request.request_id)
+        self.counters.count_finish("abort")
+        return self.outputs.output(st)
 
     def fail_request(self, request_id: str, error: RequestFailure) -> RequestOutput | None:
         """End a request with an error (a fault in its step, a timeout, shutdown): finish reason "error"."""
@@ -189,11 +149,11 @@ class LLMEngine:
         if st is None:
             return None
         st.error = error
-        for req in st.seqs:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            self.runner.sampler.forget(req.request_id)
-        self._count_finish("error")
-        return self._output(st)
+        for seq in st.seqs:
+            self.scheduler.finish(seq.request, RequestStatus.FINISHED_ERROR)
+            self.runner.sampler.forget(seq.request.request_id)
+        self.counters.count_finish("error")
+        return self.outputs.output(st)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -210,7 +170,7 @@ class LLMEngine:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
         try:
             ro = self.runner.execute(so)
-            outs = [self._output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
+            outs = [self.outputs.output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
         except Exception as e:
             log.exception("engine step failed; failing the requests it ran")
             ro, outs = RunnerOutput(), self._fail_step(so, e)
@@ -221,74 +181,23 @@ class LLMEngine:
         return outs
 
     def _fail_step(self, so: SchedulerOutput, e: Exception) -> list[RequestOutput]:
-        owners = dict.fromkeys(_owner_id(s.request) for s in so.seqs)
+        reqs = (self.scheduler.requests.get(s.request_id) for s in so.seqs)
+        owners = dict.fromkeys(_owner_id(r) for r in reqs if r is not None)
         err = RequestFailure("internal_error", f"the engine step running this request failed: {type(e).__name__}: {e}")
         return [o for o in (self.fail_request(rid, err) for rid in owners) if o is not None]
 
     def _postprocess(self, so: SchedulerOutput, ro: RunnerOutput) -> list[RequestState]:
         sampled = {rid: [smp.token_id for smp in smps] for rid, smps in ro.sampled.items()}
         touched: dict[str, RequestState] = {}
-        for u in self.scheduler.update_from_output(so, sampled, time.monotonic()):
+        for u in self.scheduler.update_from_output(so, sampled):
             st = self.states[_owner_id(u.request)]
             if u.sample_index:
-                self._add_seq(st, u.request)
+                self.outputs.add_seq(st, u.request)
             touched[st.request_id] = st
-            self._observe(st, u, ro.sampled[u.row_id][u.sample_index])
+            self.outputs.observe(st, u, ro.sampled[u.row_id][u.sample_index])
+            if u.request.status.finished:
+                self.runner.sampler.forget(u.request.request_id)
         return list(touched.values())
-
-    def _observe(self, st: RequestState, u: SeqUpdate, smp) -> None:
-        """Logprobs, text and stop strings for one new token (the scheduler has appended it)."""
-        req, tok, i, p = u.request, u.token_id, u.request.seq_index, st.params
-        if i == 0 and req.num_output_tokens == 1:
-            self.counters.prompt_tokens += req.num_prompt_tokens
-        self.counters.generation_tokens += 1
-        if smp.logprobs is not None:
-            st.logprobs[i].append(smp.logprobs)
-            st.cum_logprobs[i] += smp.logprobs[tok].logprob
-        if st.detoks[i] is not None:
-            delta = st.detoks[i].add(tok)
-            st.texts[i] = st.detoks[i].text
-            if p.stop and delta and req.num_output_tokens >= p.min_tokens:
-                self._check_stop_strings(st, req, len(delta))
-        if req.status.finished:
-            self.runner.sampler.forget(req.request_id)
-            self._count_finish(req.status.value)
-            if st.detoks[i] is None:
-                st.texts[i] = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-
-    def _count_finish(self, reason: str) -> None:
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-
-    def _check_stop_strings(self, st: RequestState, req: Request, delta_len: int) -> None:
-        i = req.seq_index
-        text = st.texts[i]
-        for stop in st.params.stop:
-            start = max(0, len(text) - delta_len - len(stop) + 1)
-            k = text.find(stop, start)
-            if k >= 0:
-                st.texts[i] = text[: k + len(stop)] if st.params.include_stop_str_in_output else text[:k]
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
-                return
-
-    def _visible_text(self, st: RequestState, i: int) -> str:
-        """While a sequence runs, hold back a tail that might still become a stop string."""
-        text = st.texts[i]
-        if not st.seqs[i].status.finished and st.params.stop and not st.params.include_stop_str_in_output:
-            hold = max(len(s) for s in st.params.stop) - 1
-            return text[: max(0, len(text) - hold)]
-        return text
-
-    def _output(self, st: RequestState) -> RequestOutput:
-        outs = [CompletionOutput(i, self._visible_text(st, i), list(r.output_token_ids),
-                                 st.cum_logprobs[i] if st.logprobs[i] is not None else None, st.logprobs[i],
-                                 r.status.value if r.status.finished else None, r.stop_reason)
-                for i, r in enumerate(st.seqs)]
-        r0 = st.seqs[0]
-        finished = st.finished
-        m = RequestMetrics(st.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
-                           time.monotonic() if finished else None, sum(r.num_preemptions for r in st.seqs))
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, finished,
-                             max(0, r0.num_cached_tokens), m, st.error)
 
     def _record_stats(self, so: SchedulerOutput, ro: RunnerOutput, step_s: float) -> None:
         sch, kv, c = self.scheduler, self.kv, self.counters

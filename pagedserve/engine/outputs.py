@@ -14,6 +14,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None        # "stop" | "length" | "abort" (client left) | "error" (see RequestOutput.error)
+    # a streaming request's outputs carry deltas: text, token_ids and logprobs new since the last one
     stop_reason: int | str | None = None    # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -81,3 +82,6 @@ class EngineCounters:
     prefix_hits: int = 0
     steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)     # finish reason -> count
+
+    def count_finish(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1

@@ -66,17 +66,15 @@ def cmd_generate(ns) -> int:
 
 def _stream(eng, prompt, params) -> str:
     rid = eng.add_request(None, prompt, params, stream=True)
-    shown = 0
-    text = ""
+    parts = []
     while eng.has_unfinished_requests():
         for out in eng.step():
-            if out.request_id == rid:
-                text = out.outputs[0].text
-                sys.stdout.write(text[shown:])
+            if out.request_id == rid:           # a streaming request's outputs are deltas
+                parts.append(out.outputs[0].text)
+                sys.stdout.write(parts[-1])
                 sys.stdout.flush()
-                shown = len(text)
     sys.stdout.write("\n")
-    return text
+    return "".join(parts)
 
 
 def cmd_chat(ns) -> int:

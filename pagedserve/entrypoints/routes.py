@@ -93,7 +93,7 @@ async def completions(body: CompletionRequest, http: Request):
         ids = await asyncio.to_thread(lambda: list(st.engine.tokenizer(prompt)["input_ids"]))
         prompt = {"prompt_token_ids": ids, "prompt": prompt}
     rid = f"cmpl-{uuid.uuid4().hex}"
-    stream = await st.aengine.add_request(rid, prompt, params, body.priority)
+    stream = await st.aengine.add_request(rid, prompt, params, body.priority, stream=body.stream)
     created = int(time.time())
     if body.stream:
         return _sse(_completion_chunks(st, rid, created, stream, body), stream)
@@ -109,8 +109,8 @@ def _completion_chunks(st: ServerState, rid: str, created: int, stream: RequestS
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                 "choices": choices}
 
-    def choice(o, n_text, n_tok):
-        return {"index": o.index, "text": o.text[n_text:], "logprobs": _completion_logprobs(st, o, n_tok),
+    def choice(o):
+        return {"index": o.index, "text": o.text, "logprobs": _completion_logprobs(st, o),
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
     return _deltas(stream, body, wrap, choice)
 
@@ -128,14 +128,14 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     except ValueError as e:
         raise RequestError("messages", str(e)) from None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await st.aengine.add_request(rid, {"prompt_token_ids": ids}, params, body.priority)
+    stream = await st.aengine.add_request(rid, {"prompt_token_ids": ids}, params, body.priority, stream=body.stream)
     created = int(time.time())
     if body.stream:
         return _sse(_chat_chunks(st, rid, created, stream, body, top or 0), stream)
     out = await _collect(http, stream)
     return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                         "logprobs": _chat_logprobs(st, o, 0, top or 0), "finish_reason": o.finish_reason,
+                         "logprobs": _chat_logprobs(st, o, top or 0), "finish_reason": o.finish_reason,
                          "stop_reason": o.stop_reason} for o in out.outputs],
             "usage": _usage(out)}
 
@@ -145,9 +145,9 @@ async def _chat_chunks(st: ServerState, rid: str, created: int, stream: RequestS
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                 "choices": choices}
 
-    def choice(o, n_text, n_tok):
-        return {"index": o.index, "delta": {"content": o.text[n_text:]},
-                "logprobs": _chat_logprobs(st, o, n_tok, top), "finish_reason": o.finish_reason}
+    def choice(o):
+        return {"index": o.index, "delta": {"content": o.text},
+                "logprobs": _chat_logprobs(st, o, top), "finish_reason": o.finish_reason}
 
     for i in range(body.n):
         yield wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -195,26 +195,29 @@ async def _collect(http: Request, stream: RequestStream) -> RequestOutput:
 
 
 async def _deltas(stream: RequestStream, body, wrap, choice):
-    """One chunk per sequence whose text grew (or that just finished), then the usage chunk; a
-    failure ends the stream with an `error` event instead."""
-    sent: dict[int, tuple[int, int, bool]] = {}
-    out = None
+    """The engine hands a stream only what is new; each sequence whose delta has text (or that just
+    finished) becomes one chunk, as it is. Then the usage chunk; a failure ends the stream with an
+    `error` event instead."""
+    done: set[int] = set()
+    num_prompt, num_completion, num_cached = 0, 0, 0
     try:
         async for out in stream:
             if out.finished and (err := _failure(out)) is not None:
                 yield error_body(err.status, err.message, err.param, err.type)
                 return
+            num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
             for o in out.outputs:
-                n_text, n_tok, done = sent.get(o.index, (0, 0, False))
-                if done or (len(o.text) == n_text and o.finish_reason is None):
+                num_completion += len(o.token_ids)
+                if o.index in done or (not o.text and o.finish_reason is None):
                     continue
-                sent[o.index] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
-                yield wrap([choice(o, n_text, n_tok)])
+                if o.finish_reason is not None:
+                    done.add(o.index)
+                yield wrap([choice(o)])
     except EngineDeadError as e:
         yield error_body(500, f"the engine is dead: {e}", None, "engine_dead")
         return
     if body.stream_options and body.stream_options.include_usage:
-        yield wrap([]) | {"usage": _usage(out)}
+        yield wrap([]) | {"usage": _usage_counts(num_prompt, num_completion, num_cached)}
 
 
 class _EngineStreamResponse(StreamingResponse):
@@ -241,30 +244,31 @@ def _sse(chunks, stream: RequestStream) -> StreamingResponse:
 
 
 def _usage(out: RequestOutput) -> dict:
-    comp = sum(len(o.token_ids) for o in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": comp,
-            "total_tokens": len(out.prompt_token_ids) + comp,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    return _usage_counts(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
 
 
-def _completion_logprobs(st: ServerState, o, start: int = 0) -> dict | None:
+def _usage_counts(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _completion_logprobs(st: ServerState, o) -> dict | None:
     if o.logprobs is None:
         return None
     tok = st.engine.tokenizer
-    toks = o.token_ids[start:]
-    lps = o.logprobs[start:]
+    toks, lps = o.token_ids, o.logprobs
     return {"tokens": [tok.decode([t]) for t in toks],
             "token_logprobs": [lp[t].logprob for t, lp in zip(toks, lps)],
             "top_logprobs": [{tok.decode([k]): v.logprob for k, v in lp.items()} for lp in lps],
             "text_offset": []}
 
 
-def _chat_logprobs(st: ServerState, o, start: int, top: int) -> dict | None:
+def _chat_logprobs(st: ServerState, o, top: int) -> dict | None:
     if o.logprobs is None:
         return None
     tok = st.engine.tokenizer
     content = []
-    for t, lp in zip(o.token_ids[start:], o.logprobs[start:]):
+    for t, lp in zip(o.token_ids, o.logprobs):
         s = tok.decode([t])
         tops = sorted(lp.items(), key=lambda kv: kv[1].rank)[:top]
         content.append({"token": s, "logprob": lp[t].logprob, "bytes": list(s.encode()),

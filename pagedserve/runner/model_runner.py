@@ -1,5 +1,6 @@
 """The model runner owns every tensor: weights, the paged KV cache, the host swap tier. Per step:
-block copies -> inputs (one flattened batch) -> model -> logits of sampling rows -> sampler."""
+block copies -> inputs (one flattened batch) -> model -> logits of sampling rows -> sampler.
+It reads only the step's immutable records (`pagedserve.core.step`), never a live Request."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step import SamplingRow, SchedulerOutput
 from pagedserve.kernels import decode_scratch, native_lib
 from pagedserve.model.attention import AttentionMetadata, PrefillSeq
 from pagedserve.model.llama import LlamaForCausalLM
@@ -55,27 +56,28 @@ class ModelRunner:
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
     # ------------------------------------------------------------ inputs
-    def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list]:
+    def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
+                                                    list[SamplingRow]]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        dec_tables: list[list[int]] = []
+        dec_tables: list[tuple[int, ...]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillSeq] = []
         logit_rows: list[int] = []
-        row_reqs = []
+        sample_rows: list[SamplingRow] = []
         for s in so.seqs:
-            req, start, n = s.request, s.start, s.num_tokens
+            start, n = s.start, s.num_tokens
             row0 = len(ids)
-            if n == 1:
-                ids.append(req.all_token_ids[start])
+            if s.is_decode:
+                ids.append(s.token_ids[0])
                 pos.append(start)
                 slots.append(s.block_ids[start // bs] * bs + start % bs)
                 dec_tables.append(s.block_ids)
                 dec_lens.append(start + 1)
             else:
-                ids.extend(req.all_token_ids[start:start + n])
+                ids.extend(s.token_ids)
                 pos.extend(range(start, start + n))
                 ctx = start + n
                 bt = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.long)
@@ -85,22 +87,22 @@ class ModelRunner:
                 if start:   # a cached prefix: query i sits at position start + i
                     mask = torch.arange(ctx).unsqueeze(0) <= p.unsqueeze(1)
                 prefills.append(PrefillSeq(row0, row0 + n, ctx, bt, mask))
-            if s.sample:
-                k = req.num_samples if not req.output_token_ids else 1
+            if s.sampling is not None:
+                k = s.sampling.num_samples
                 logit_rows.extend([row0 + n - 1] * k)
-                row_reqs.extend([req] * k)
+                sample_rows.extend([s.sampling] * k)
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
                                num_decodes=len(dec_lens))
         if dec_lens:
             width = max(len(t) for t in dec_tables)
-            md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
+            md.decode_block_tables = torch.tensor([t + (0,) * (width - len(t)) for t in dec_tables], dtype=torch.long)
             lens = torch.tensor(dec_lens, dtype=torch.long)
             md.decode_context_lens = lens
             if self.use_native:
                 md.decode_scratch = decode_scratch(len(dec_lens), self.model.cfg.num_heads, width, bs)
             else:
                 md.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, row_reqs)
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows)
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -110,7 +112,7 @@ class ModelRunner:
         if not so.seqs:
             return out
         t0 = time.perf_counter()
-        input_ids, positions, md, rows, row_reqs = self.prepare(so)
+        input_ids, positions, md, rows, sample_rows = self.prepare(so)
         dev = self.device
         if dev.type != "cpu":
             input_ids, positions = input_ids.to(dev), positions.to(dev)
@@ -120,9 +122,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
         t2 = time.perf_counter()
         if logits is not None:
-            samples = self.sampler(logits.cpu(), row_reqs)
-            for req, smp in zip(row_reqs, samples):
-                out.sampled.setdefault(req.request_id, []).append(smp)
+            samples = self.sampler(logits.cpu(), sample_rows)
+            for row, smp in zip(sample_rows, samples):
+                out.sampled.setdefault(row.request_id, []).append(smp)
         t3 = time.perf_counter()
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, t3 - t2
         return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.core.request import Request
+from pagedserve.core.step import SamplingRow
 
 
 @dataclass(slots=True)
@@ -30,15 +30,15 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.req_generators.pop(request_id, None)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        if req.generator_seed is None:
+    def _generator(self, row: SamplingRow) -> torch.Generator | None:
+        if row.generator_seed is None:
             return None
-        g = self.req_generators.get(req.request_id)
+        g = self.req_generators.get(row.request_id)
         if g is None:
-            g = self.req_generators[req.request_id] = torch.Generator().manual_seed(req.generator_seed)
+            g = self.req_generators[row.request_id] = torch.Generator().manual_seed(row.generator_seed)
         return g
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> list[SampledToken]:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows)."""
         params = [r.params for r in reqs]
         want_lp = [p.logprobs for p in params]
@@ -57,7 +57,7 @@ class Sampler:
                     out[i].logprobs = _logprobs(raw_lp[i], ids[i], k)
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
         need_pen = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
                     or r.params.presence_penalty or r.params.frequency_penalty]
         need_min = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
@@ -69,12 +69,13 @@ class Sampler:
             p, r = reqs[i].params, reqs[i]
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.history)), dtype=torch.long)
                 seen = seen[seen < V]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=V)[:V].float()
+            output = r.history[r.num_prompt_tokens:]
+            if (p.presence_penalty or p.frequency_penalty) and output:
+                counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V)[:V].float()
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         for i in need_min:   # min_tokens: EOS and stop tokens are not allowed yet
             r = reqs[i]
@@ -83,7 +84,7 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, reqs: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         params = [r.params for r in reqs]
         temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)]).unsqueeze(1)
         x = logits / temp

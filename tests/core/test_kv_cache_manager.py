@@ -20,9 +20,9 @@ def test_same_prefix_gets_same_blocks_with_refcount_2():
     a = req("a", range(100, 113))          # 13 tokens: 3 full blocks + 1
     b = req("b", list(range(100, 112)) + [7, 8])
     assert admit(kv, a) == 0
-    assert kv.block_ids("a") == [1, 2, 3, 4]
+    assert list(kv.block_ids("a")) == [1, 2, 3, 4]
     assert admit(kv, b) == 12               # the 3 full blocks are a prefix hit
-    assert kv.block_ids("b")[:3] == [1, 2, 3] and kv.block_ids("b")[3] == 5
+    assert list(kv.block_ids("b"))[:3] == [1, 2, 3] and list(kv.block_ids("b"))[3] == 5
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4, 5)] == [2, 2, 2, 1, 1]
     assert kv.prefix_hits == 12 and kv.prefix_queries == 13 + 14
     assert kv.num_shared_savings() == 3
@@ -57,7 +57,7 @@ def test_failed_allocation_changes_no_refcount():
     before = [blk.ref_cnt for blk in kv.pool.blocks]
     assert not kv.allocate_slots(b, b.num_tokens - n, computed)
     assert [blk.ref_cnt for blk in kv.pool.blocks] == before and kv.num_free_blocks == 2
-    assert kv.block_ids("b") == []
+    assert list(kv.block_ids("b")) == []
 
 
 def test_fork_shares_and_copy_on_write_copies_only_the_partial_block():
@@ -72,9 +72,9 @@ def test_fork_shares_and_copy_on_write_copies_only_the_partial_block():
     c.append_token(2)
     assert kv.allocate_slots(p, 1)          # p writes into the shared partial block 3: copy-on-write
     ops = kv.take_ops()
-    assert ops.copy == [(3, 4)] and kv.block_ids("p") == [1, 2, 4]
+    assert ops.copy == [(3, 4)] and list(kv.block_ids("p")) == [1, 2, 4]
     assert kv.allocate_slots(c, 1)          # c is now block 3's only user: writes in place
-    assert kv.take_ops().copy == [] and kv.block_ids("c") == [1, 2, 3]
+    assert kv.take_ops().copy == [] and list(kv.block_ids("c")) == [1, 2, 3]
     assert kv.num_shared_savings() == 2
 
 
@@ -82,12 +82,12 @@ def test_swap_out_and_in():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False, num_host_blocks=4)
     a = req("a", range(7))
     admit(kv, a)
-    assert kv.block_ids("a") == [1, 2]
+    assert list(kv.block_ids("a")) == [1, 2]
     kv.swap_out(a)
     assert kv.take_ops().swap_out == [(1, 0), (2, 1)] and kv.num_free_blocks == 5
     assert kv.swap_in(a)
     ops = kv.take_ops()
-    assert ops.swap_in == [(0, 3), (1, 4)] and kv.block_ids("a") == [3, 4]
+    assert ops.swap_in == [(0, 3), (1, 4)] and list(kv.block_ids("a")) == [3, 4]
     assert len(kv.host_free) == 4
 
 
@@ -95,4 +95,4 @@ def test_contiguous_policy_reserves_max_len():
     kv = KVCacheManager(num_blocks=20, block_size=4, enable_caching=False, reserve_tokens=32)
     a = req("a", range(5))
     admit(kv, a)
-    assert len(kv.block_ids("a")) == 8
+    assert len(list(kv.block_ids("a"))) == 8

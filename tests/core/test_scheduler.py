@@ -18,8 +18,8 @@ def sched(num_blocks=64, bs=4, caching=False, **kw):
 def fake_step(s, so):
     """What the engine does after the runner: append a token to every sampling sequence."""
     for q in so.seqs:
-        if q.sample:
-            q.request.append_token(5)
+        if q.sampling is not None:
+            s.requests[q.request_id].append_token(5)
 
 
 def test_decodes_first_then_chunked_prefill_under_budget():
@@ -27,17 +27,17 @@ def test_decodes_first_then_chunked_prefill_under_budget():
     a, b = mk("a", 3), mk("b", 20)
     s.add_request(a)
     so = s.schedule()
-    assert [(q.request.request_id, q.num_tokens) for q in so.seqs] == [("a", 3)]
+    assert [(q.request_id, q.num_tokens) for q in so.seqs] == [("a", 3)]
     fake_step(s, so)
     s.add_request(b)
     so = s.schedule()
     # a decodes (1 token), b prefills a chunk capped at 6
-    assert [(q.request.request_id, q.start, q.num_tokens, q.sample) for q in so.seqs] == \
+    assert [(q.request_id, q.start, q.num_tokens, q.sampling is not None) for q in so.seqs] == \
         [("a", 3, 1, True), ("b", 0, 6, False)]
     assert (so.num_decode_tokens, so.num_prefill_tokens) == (1, 6)
     fake_step(s, so)
     so = s.schedule()
-    assert [(q.request.request_id, q.start, q.num_tokens) for q in so.seqs] == [("a", 4, 1), ("b", 6, 6)]
+    assert [(q.request_id, q.start, q.num_tokens) for q in so.seqs] == [("a", 4, 1), ("b", 6, 6)]
 
 
 def test_max_num_seqs_and_fcfs():
@@ -45,7 +45,7 @@ def test_max_num_seqs_and_fcfs():
     for i in range(3):
         s.add_request(mk(f"r{i}", 4))
     so = s.schedule()
-    assert [q.request.request_id for q in so.seqs] == ["r0", "r1"]
+    assert [q.request_id for q in so.seqs] == ["r0", "r1"]
     assert s.waiting_reason(s.waiting[0][1]) == "max_num_seqs reached"
 
 
@@ -54,7 +54,7 @@ def test_priority_orders_the_waiting_queue():
     s.add_request(mk("low", 4, priority=5))
     s.add_request(mk("high", 4, priority=-1))
     s.add_request(mk("mid", 4, priority=0))
-    assert s.schedule().seqs[0].request.request_id == "high"
+    assert s.schedule().seqs[0].request_id == "high"
 
 
 def test_preempts_lowest_priority_most_recent_by_recompute():
@@ -66,8 +66,8 @@ def test_preempts_lowest_priority_most_recent_by_recompute():
     assert len(so.seqs) == 2 and s.kv.num_free_blocks == 0
     fake_step(s, so)
     so = s.schedule()     # a needs a 3rd block: b (admitted later) is preempted, its blocks freed
-    assert so.preempted == ["b"] and b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert [q.request.request_id for q in so.seqs] == ["a"]
+    assert so.preempted == ("b",) and b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert [q.request_id for q in so.seqs] == ["a"]
     assert s.waiting[0][1] is b and s.num_preemptions == 1
 
 
@@ -83,7 +83,7 @@ def test_swap_preemption_keeps_progress():
     assert so.block_ops.swap_out and len(s.kv.swapped["b"]) == 2
     s.finish(a, RequestStatus.FINISHED_STOPPED)
     so = s.schedule()
-    assert so.block_ops.swap_in and [(q.request.request_id, q.start, q.num_tokens) for q in so.seqs] == [("b", 7, 1)]
+    assert so.block_ops.swap_in and [(q.request_id, q.start, q.num_tokens) for q in so.seqs] == [("b", 7, 1)]
 
 
 def test_abort_removes_everywhere_and_frees_blocks():
@@ -121,13 +121,13 @@ def test_static_policy_waits_for_the_whole_batch():
     for r in (a, b, c):
         s.add_request(r)
     so = s.schedule()
-    assert [q.request.request_id for q in so.seqs] == ["a", "b"]
+    assert [q.request_id for q in so.seqs] == ["a", "b"]
     fake_step(s, so)
     s.finish(a, RequestStatus.FINISHED_LENGTH)
     so = s.schedule()       # continuous batching would admit c now; static does not
-    assert [q.request.request_id for q in so.seqs] == ["b"]
+    assert [q.request_id for q in so.seqs] == ["b"]
     s.finish(b, RequestStatus.FINISHED_LENGTH)
-    assert [q.request.request_id for q in s.schedule().seqs] == ["c"]
+    assert [q.request_id for q in s.schedule().seqs] == ["c"]
 
 
 def test_chunked_prefill_disabled_rejects_long_prompt():

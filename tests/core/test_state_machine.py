@@ -75,9 +75,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             RULES["swapped_out"] += len(so.block_ops.swap_out)
             RULES["copy_on_write"] += len(so.block_ops.copy)
             RULES["evicted"] += self.kv.pool.num_evictions - evictions
-            sampled = {s.request.request_id: [rng.randrange(60) for _ in range(s.request.num_pending_forks + 1)]
-                       for s in so.seqs if s.sample}
-            for u in self.sch.update_from_output(so, sampled, 0.0):
+            sampled = {s.request_id: [rng.randrange(60) for _ in range(s.sampling.num_samples)]
+                       for s in so.seqs if s.sampling is not None}
+            for u in self.sch.update_from_output(so, sampled):
                 if u.sample_index:
                     RULES["forked"] += 1
                     self.users[u.request.parent_id].append(u.request)

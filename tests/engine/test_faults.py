@@ -35,7 +35,7 @@ def test_failed_step_fails_only_its_requests(engine, monkeypatch):
     def flaky(so):
         calls["n"] += 1
         if calls["n"] == 3:                       # a and b are running (max_num_seqs=2), c waits
-            assert {s.request.request_id for s in so.seqs} == {"a", "b"}
+            assert {s.request_id for s in so.seqs} == {"a", "b"}
             raise RuntimeError("injected fault")
         return real(so)
     monkeypatch.setattr(eng.runner, "execute", flaky)

@@ -61,7 +61,7 @@ def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine
     real = engine.runner.execute
 
     def execute(so):
-        if any(POISON in s.request.prompt_token_ids for s in so.seqs):
+        if any(POISON in s.token_ids for s in so.seqs):
             raise RuntimeError("injected kernel fault")
         return real(so)
     monkeypatch.setattr(engine.runner, "execute", execute)

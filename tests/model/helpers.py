@@ -15,8 +15,8 @@ def make_request(rid: str, ids: list[int]) -> Request:
 
 def forward_all_rows(runner: ModelRunner, chunks: list[tuple[Request, int, int, list[int]]]) -> torch.Tensor:
     """chunks: (request, start, num_tokens, block_ids). Returns logits of every row (T, V)."""
-    so = SchedulerOutput(seqs=[ScheduledSeq(r, s, n, b, False) for r, s, n, b in chunks])
-    so.seqs.sort(key=lambda s: s.num_tokens != 1)
+    seqs = sorted((ScheduledSeq.of(r, s, n, b, False) for r, s, n, b in chunks), key=lambda s: not s.is_decode)
+    so = SchedulerOutput(seqs=tuple(seqs))
     with torch.inference_mode():
         ids, pos, md, _, _ = runner.prepare(so)
         hidden = runner.model(ids, pos, runner.kv_caches, md)

@@ -1,0 +1,85 @@
+"""The typed records that cross the scheduler -> runner -> scheduler boundary. The runner sees
+only these (never a live `Request`); each is immutable and holds plain ids and ints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.request import Request
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingRow:
+    """What the sampler needs about one sequence that samples this step."""
+
+    request_id: str
+    params: SamplingParams
+    generator_seed: int | None          # per-request generator; None: the sampler's shared one
+    num_samples: int                    # > 1 only at the first token of an n > 1 request (it forks)
+    num_output_tokens: int              # for min_tokens
+    eos_token_ids: tuple[int, ...]
+    history: tuple[int, ...] = ()       # prompt + output ids, only when a penalty needs them
+    num_prompt_tokens: int = 0
+
+    @classmethod
+    def of(cls, req: Request) -> SamplingRow:
+        p = req.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return cls(req.request_id, p, req.generator_seed, req.num_pending_forks + 1, req.num_output_tokens,
+                   req.eos_token_ids, tuple(req.all_token_ids) if penalties else (), req.num_prompt_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledSeq:
+    """One sequence's share of the step: compute `token_ids` at positions start.. of it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    block_ids: tuple[int, ...]          # its block table: physical block of each logical block
+    sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token: the decode attention path (the one place this question is answered)."""
+        return len(self.token_ids) == 1
+
+    @classmethod
+    def of(cls, req: Request, start: int, n: int, block_ids, sample: bool) -> ScheduledSeq:
+        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]), start, tuple(block_ids),
+                   SamplingRow.of(req) if sample else None)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...] = ()       # decodes first
+    block_ops: BlockOps = field(default_factory=BlockOps)   # copies to make before the forward
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs if not s.is_decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass(slots=True, frozen=True)
+class SeqUpdate:
+    """One sequence's new token from a step, already applied by the scheduler."""
+
+    request: Request             # the sequence; a new fork when sample_index > 0
+    row_id: str                  # the scheduled sequence whose logits the token was sampled from
+    sample_index: int            # which of that row's samples (0, or 1..n-1 for the forks of an n > 1 request)
+    token_id: int
+    finished: bool

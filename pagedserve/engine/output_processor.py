@@ -1,0 +1,138 @@
+"""What users see of a request: text (incremental detokenization), stop strings, logprobs, and
+`RequestOutput`s. A streaming request gets deltas after every step (only the new tokens, text and
+logprobs: O(1) per step however long the generation); any other request gets one full output
+when it finishes. Token appends, forks and the other finish checks belong to the scheduler."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.step import SeqUpdate
+from pagedserve.engine.outputs import CompletionOutput, RequestFailure, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True, eq=False)
+class SeqOutput:
+    """One sequence's text and logprobs. Text is kept as settled parts plus a short pending tail
+    that a stop string could still cut; streams hand out settled parts as they come."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    hold: int                                   # pending characters kept back (longest stop string - 1)
+    parts: list[str] = field(default_factory=list)
+    pending: str = ""
+    logprobs: list | None = None
+    cum_logprob: float = 0.0
+    sent_parts: int = 0                         # parts already handed out (streams)
+    sent_tokens: int = 0                        # tokens already handed out (streams)
+
+    def add_text(self, delta: str) -> None:
+        self.pending += delta
+
+    def settle(self) -> None:
+        """Move all pending text but the held-back tail (all of it once finished) into parts."""
+        keep = 0 if self.request.status.finished else self.hold
+        if len(self.pending) > keep:
+            cut = len(self.pending) - keep
+            self.parts.append(self.pending[:cut])
+            self.pending = self.pending[cut:]
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The engine's view of one user request: its n sequences' outputs. Status and stop reason
+    live on each `Request` (the scheduler owns them)."""
+
+    request_id: str
+    prompt: str | None
+    stream: bool                                # deltas after every step, else one output at the end
+    seqs: list[SeqOutput] = field(default_factory=list)
+    error: RequestFailure | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seqs[0].request.params
+
+    @property
+    def finished(self) -> bool:
+        first = self.seqs[0].request
+        if self.error is not None or first.status is RequestStatus.FINISHED_ABORTED:
+            return True
+        return len(self.seqs) == first.num_samples and all(s.request.status.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler, counters):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.counters = counters
+
+    def new_state(self, request_id: str, prompt: str | None, req: Request, stream: bool) -> RequestState:
+        st = RequestState(request_id, prompt, stream)
+        self.add_seq(st, req)
+        return st
+
+    def add_seq(self, st: RequestState, req: Request) -> None:
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens) \
+            if st.stream or p.stop else None
+        hold = max(len(s) for s in p.stop) - 1 if p.stop else 0
+        st.seqs.append(SeqOutput(req, detok, hold, logprobs=[] if p.logprobs is not None else None))
+
+    def observe(self, st: RequestState, u: SeqUpdate, smp) -> None:
+        """Logprobs, text and stop strings for one new token (the scheduler has appended it)."""
+        req, tok, p = u.request, u.token_id, st.params
+        seq = st.seqs[req.seq_index]
+        if req.seq_index == 0 and req.num_output_tokens == 1:
+            self.counters.prompt_tokens += req.num_prompt_tokens
+        self.counters.generation_tokens += 1
+        if smp.logprobs is not None:
+            seq.logprobs.append(smp.logprobs)
+            seq.cum_logprob += smp.logprobs[tok].logprob
+        if seq.detok is not None:
+            delta = seq.detok.add(tok)
+            seq.add_text(delta)
+            if p.stop and delta and req.num_output_tokens >= p.min_tokens:
+                self._check_stop_strings(seq, len(delta))
+        if req.status.finished:
+            self.counters.count_finish(req.status.value)
+            if seq.detok is None:
+                seq.add_text(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens))
+        seq.settle()
+
+    def _check_stop_strings(self, seq: SeqOutput, delta_len: int) -> None:
+        text, p = seq.pending, seq.request.params
+        for stop in p.stop:
+            k = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+            if k >= 0:
+                seq.pending = text[: k + len(stop)] if p.include_stop_str_in_output else text[:k]
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_STOPPED, stop)
+                return
+
+    def output(self, st: RequestState) -> RequestOutput:
+        """Deltas for a stream (and marks them handed out); the whole output otherwise."""
+        finished = st.finished
+        if finished:            # an abort or a failure ends sequences between tokens: release held text
+            for seq in st.seqs:
+                seq.settle()
+        outs = []
+        for i, seq in enumerate(st.seqs):
+            r = seq.request
+            if st.stream:
+                text = "".join(seq.parts[seq.sent_parts:])
+                start = seq.sent_tokens
+                seq.sent_parts, seq.sent_tokens = len(seq.parts), r.num_output_tokens
+            else:
+                text, start = "".join(seq.parts), 0
+            outs.append(CompletionOutput(i, text, r.output_token_ids[start:],
+                                         seq.cum_logprob if seq.logprobs is not None else None,
+                                         None if seq.logprobs is None else seq.logprobs[start:],
+                                         r.status.value if r.status.finished else None, r.stop_reason))
+        r0 = st.seqs[0].request
+        m = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
+                           time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs))
+        return RequestOutput(st.request_id, st.prompt, r0.prompt_token_ids, outs, finished,
+                             max(0, r0.num_cached_tokens), m, st.error)
