@@ -57,6 +57,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.counters)
         self.last_stats = StepStats()
+        self.last_schedule: SchedulerOutput | None = None     # what the last step ran (calibration reads it)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------ memory plan
@@ -165,7 +166,7 @@ class LLMEngine:
         unknown and raises EngineDeadError."""
         t0 = time.perf_counter()
         try:
-            so = self.scheduler.schedule()
+            so = self.last_schedule = self.scheduler.schedule()
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
         try:

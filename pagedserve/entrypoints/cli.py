@@ -110,6 +110,11 @@ def cmd_serve(ns) -> int:
     return run_server(engine_args_from(ns), ns)
 
 
+def cmd_simulate(ns) -> int:
+    from pagedserve.sim.cli import run_simulate
+    return run_simulate(ns)
+
+
 def cmd_kv_plan(ns) -> int:
     from pagedserve.kv_plan import run_kv_plan
     return run_kv_plan(ns)
@@ -143,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="if the engine dies, seconds to answer clients before exiting with status 1")
     add_engine_flags(s, positional_model=True)
     s.set_defaults(fn=cmd_serve)
+    m = sub.add_parser("simulate", help="capacity planning: the real scheduler on a step-time cost model")
+    from pagedserve.sim.cli import add_simulate_flags
+    add_simulate_flags(m)
+    add_engine_flags(m)
+    m.set_defaults(fn=cmd_simulate)
     k = sub.add_parser("kv-plan", help="KV-cache memory arithmetic: blocks, bytes, waste, capacity")
     from pagedserve.kv_plan import add_kv_plan_flags
     add_kv_plan_flags(k)

@@ -29,3 +29,22 @@ def test_chat_turns(capsys, monkeypatch):
 def test_bad_flag_value_is_a_clear_error(capsys):
     assert main(["generate", "x", "--block-size", "0"]) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_simulate_projection_and_slo(capsys, tmp_path):
+    png = tmp_path / "sim.png"
+    assert main(["simulate", "--model-shape", "llama-3-8b", "--hardware", "h100", "--kv-cache-memory", "8GiB",
+                 "--rate", "4", "--num-requests", "60", "--slo", "ttft_p99<2s,itl_p99<100ms", "--json",
+                 "--plot", str(png)]) == 0
+    import json
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["result"]["requests"] == 60 and rep["result"]["output_tok_s"] > 0
+    assert rep["slo"]["max_rate"] > 0 and rep["slo"]["at_max_rate"]["ttft_p99_ms"] <= 2000
+    assert png.stat().st_size > 1000
+
+
+def test_simulate_bad_flags_are_clear(capsys):
+    assert main(["simulate", "--model-shape", "llama-3-8b", "--hardware", "tpu9"]) == 2
+    assert "--hardware" in capsys.readouterr().err
+    assert main(["simulate", "--model-shape", "llama-3-8b", "--slo", "ttft<1s"]) == 2
+    assert "--slo" in capsys.readouterr().err

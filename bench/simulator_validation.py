@@ -1,0 +1,121 @@
+"""Validate `pagedserve simulate` against the real engine on this machine, in one run:
+1. calibrate the cost model on a calibration workload (not the ones below);
+2. mixed64 offline: measured output tok/s (bench/throughput.py's run) vs simulated;
+3. the serving benchmark (mixed16, streaming, Poisson arrivals, prefix caching off) at 3 rates:
+   measured TTFT p50 / ITL p50 (bench/serving.py's run) vs simulated on the same arrival times;
+4. a projection: Llama-3-8B bf16 on the h100 profile, a ShareGPT-like mix, vLLM-like limits.
+
+Usage: python bench/simulator_validation.py [--rates 0.25,0.5,1] [--out bench/results/simulator]
+"""
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serving import run_rate  # noqa: E402
+from throughput import load_workload, run_ours  # noqa: E402
+
+from pagedserve.config import EngineArgs  # noqa: E402
+from pagedserve.sim.calibrate import calibrate, host_key, shape_of_engine  # noqa: E402
+from pagedserve.sim.cost_model import MODELS, PROFILES, RooflineCost  # noqa: E402
+from pagedserve.sim.simulator import SimRequest, poisson_workload, simulate, with_arrivals  # noqa: E402
+
+
+def as_sim(reqs, cap=None):
+    return [SimRequest(0.0, tuple(r["prompt_token_ids"]), min(cap or r["max_tokens"], r["max_tokens"])) for r in reqs]
+
+
+def serve(args_list):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), *args_list],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return srv, base
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="0.25,0.5,1")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "simulator"))
+    a = ap.parse_args()
+    report = {"host": host_key(), "date": time.strftime("%Y-%m-%d")}
+
+    # 1. calibration (fresh)
+    args = EngineArgs(num_kv_blocks=4096)
+    t = time.perf_counter()
+    cost = calibrate(args, use_cache=False)
+    report["calibration"] = {"coef": cost.coef, "rel_error_p50": round(cost.rel_error_p50, 4),
+                             "seconds": round(time.perf_counter() - t, 1)}
+    from pagedserve.engine.llm_engine import LLMEngine
+    shape = shape_of_engine(LLMEngine(args))
+
+    # 2. mixed64 offline
+    reqs64 = load_workload("mixed64")
+    ns = argparse.Namespace(num_kv_blocks=4096, block_size=16, max_num_batched_tokens=1024, max_num_seqs=64, chunk=256)
+    real = run_ours(reqs64, ns)
+    sim = simulate(as_sim(reqs64), shape, cost, args, 4096).summary()
+    report["mixed64"] = {"measured_output_tok_s": real["output_tok_s"], "simulated_output_tok_s": sim["output_tok_s"],
+                         "error": round(sim["output_tok_s"] / real["output_tok_s"] - 1, 4)}
+    print(json.dumps(report["mixed64"]), flush=True)
+
+    # 3. serving at 3 rates (same requests, same arrival draws as bench/serving.py)
+    reqs16 = load_workload("mixed16")
+    srv_args = EngineArgs(num_kv_blocks=4096, enable_prefix_caching=False)
+    srv, base = serve(["--num-kv-blocks", "4096", "--no-enable-prefix-caching"])
+    rows = []
+    try:
+        with httpx.Client(timeout=120) as c:
+            c.post(base + "/v1/completions", json={"prompt": reqs16[0]["prompt_token_ids"], "max_tokens": 4})
+        for i, rate in enumerate(float(x) for x in a.rates.split(",")):
+            m = asyncio.run(run_rate(base, reqs16, rate, a.max_tokens, seed=i))
+            s = simulate(with_arrivals(as_sim(reqs16, a.max_tokens), rate, seed=i), shape, cost, srv_args, 4096).summary()
+            row = {"rate": rate, "ttft_p50_ms": (m["ttft_p50_ms"], s["ttft_p50_ms"]),
+                   "itl_p50_ms": (m["itl_p50_ms"], s["itl_p50_ms"]),
+                   "output_tok_s": (m["output_tok_s"], s["output_tok_s"])}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
+    report["serving"] = rows
+
+    # 4. projection
+    base8 = MODELS["llama-3-8b"]
+    proj_args = EngineArgs(max_num_seqs=256, max_num_batched_tokens=8192, long_prefill_token_threshold=8192,
+                           enable_prefix_caching=False)
+    h100 = RooflineCost(base8, PROFILES["h100"])
+    blocks = int(40 * 2**30 // (base8.kv_bytes_per_token * 16))          # ~40 GiB of KV after 16 GB of weights
+    wl = poisson_workload(1e9, 1000, seed=0)
+    res = simulate(with_arrivals(wl, None), base8, h100, proj_args, blocks).summary()
+    report["projection"] = {"model": "llama-3-8b bf16", "hardware": "h100 profile", "kv_blocks": blocks,
+                            "offline_1000_requests": res}
+    print(json.dumps(report["projection"]), flush=True)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print("| rate | TTFT p50 measured / simulated ms | ITL p50 measured / simulated ms | output tok/s measured / simulated |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rate']} | {r['ttft_p50_ms'][0]} / {r['ttft_p50_ms'][1]} | {r['itl_p50_ms'][0]} / "
+              f"{r['itl_p50_ms'][1]} | {r['output_tok_s'][0]} / {r['output_tok_s'][1]} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Fit the step-time cost model to this machine: run the real engine on a calibration workload,
+record each step's features and wall time, fit (`cost_model.fit`). Cached per host, model and dtype."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+from pagedserve.config import EngineArgs
+from pagedserve.sim.cost_model import FittedCost, ModelShape, fit, step_features
+from pagedserve.sim.simulator import SimRequest, poisson_workload
+
+log = logging.getLogger("pagedserve")
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+def host_key() -> str:
+    """CPU model and flags: fits are not portable between hosts of one machine kind."""
+    model, flags = "unknown", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{model} [{hashlib.sha1(flags.encode()).hexdigest()[:8]}, {os.cpu_count()} cpus]"
+
+
+def cache_path(args: EngineArgs) -> str:
+    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.block_size}".encode()).hexdigest()[:16]
+    d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"{key}.json")
+
+
+def calibration_workload() -> list[list[SimRequest]]:
+    """Waves run one after the other, so batches of every size appear: a big mixed batch (prompts of
+    8..1024 tokens), then 1, 2, 4 and 8 sequences decoding (not the validation workloads)."""
+    big = poisson_workload(1.0, 40, seed=123, input_len=(5.0, 0.9, 8, 1024), output_len=(4.2, 0.7, 8, 256))
+    waves = [[SimRequest(0.0, r.prompt_token_ids, min(128, max(8, r.output_len // 2))) for r in big]]
+    for k, n in enumerate((1, 2, 4, 8)):
+        small = poisson_workload(1.0, n, seed=200 + k, input_len=(5.0, 0.9, 8, 1024), output_len=(4.0, 0.1, 48, 64))
+        waves.append(list(small))
+    return waves
+
+
+def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, ModelShape]:
+    """(features, step seconds) of every step of the real engine; each wave arrives at once and
+    runs to completion before the next."""
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
+    eng = LLMEngine(args)
+    shape = shape_of_engine(eng)
+    eng.add_request("warm-up", list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    samples = []
+    for w, wave in enumerate(waves):
+        for i, r in enumerate(wave):
+            eng.add_request(f"c{w}.{i}", list(r.prompt_token_ids),
+                            SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+            samples.append((step_features(shape, eng.last_schedule.seqs), eng.last_stats.step_s))
+    return samples, shape
+
+
+def shape_of_engine(eng) -> ModelShape:
+    b = DTYPE_BYTES.get(str(eng.runner.dtype).removeprefix("torch."), 4.0)
+    return ModelShape.from_model_config(eng.model_config, weight_bytes=b, kv_bytes=b)
+
+
+def calibrate(args: EngineArgs, waves: list[list[SimRequest]] | None = None, use_cache: bool = True) -> FittedCost:
+    path = cache_path(args)
+    if use_cache and os.path.exists(path):
+        return FittedCost.load(path)
+    t0 = time.perf_counter()
+    samples, _ = measure(args, waves or calibration_workload())
+    model = fit(samples, host_key())
+    model.save(path)
+    log.info("calibrated on %d steps in %.0f s (median relative error %.1f%%): %s", len(samples),
+             time.perf_counter() - t0, 100 * model.rel_error_p50, path)
+    return model

@@ -1,0 +1,149 @@
+"""`pagedserve simulate`: how many requests per second at a latency target, with this model, on
+this hardware, with this much KV memory? Runs the real scheduler on a cost model."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from pagedserve.config import EngineArgs, parse_bytes
+from pagedserve.sim.cost_model import MODELS, PROFILES, ModelShape, RooflineCost
+from pagedserve.sim.simulator import (SimRequest, max_rate_meeting, num_blocks_for, parse_slo, poisson_workload,
+                                      simulate, with_arrivals)
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "q4": 0.5625}
+
+
+def add_simulate_flags(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("simulation")
+    g.add_argument("--model-shape", default=None, help=f"a named shape instead of --model: {', '.join(MODELS)}")
+    g.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="bytes per weight (default: fp32 for cpu and calibrated, bf16 on GPUs)")
+    g.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: as --weight-dtype")
+    g.add_argument("--hardware", default="cpu", help=f"{', '.join(PROFILES)} or calibrated (this machine, measured)")
+    g.add_argument("--calibrate", action="store_true", help="measure this machine now (else a cached fit is used)")
+    g.add_argument("--workload", default=None, help="JSONL of {prompt_token_ids | prompt_len, max_tokens[, arrival_s]}")
+    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); none: all arrive at once")
+    g.add_argument("--num-requests", type=int, default=200, help="for the synthetic workload")
+    g.add_argument("--input-len", type=int, default=150, help="median prompt length of the synthetic (lognormal) mix")
+    g.add_argument("--output-len", type=int, default=150, help="median output length of the synthetic mix")
+    g.add_argument("--slo", default=None, help='e.g. "ttft_p99<2s,itl_p99<100ms": find the highest rate meeting it')
+    g.add_argument("--sim-seed", type=int, default=0)
+    g.add_argument("--plot", default=None, help="PNG: KV usage over time (and latency against rate with --slo)")
+    g.add_argument("--json", action="store_true")
+
+
+def load_jsonl(path: str) -> list[SimRequest]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                ids = d.get("prompt_token_ids") or list(range(17, 17 + int(d["prompt_len"])))
+                out.append(SimRequest(float(d.get("arrival_s", 0.0)), tuple(ids), int(d["max_tokens"]), int(d.get("n", 1))))
+    return out
+
+
+def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
+    """The model shape, the cost model, engine args, KV blocks and max_model_len from the flags."""
+    from pagedserve.entrypoints.cli import engine_args_from
+    args = engine_args_from(ns)
+    gpu = ns.hardware in PROFILES and ns.hardware != "cpu"
+    wdt = DTYPE_BYTES[ns.weight_dtype or ("bf16" if gpu else "fp32")]
+    kdt = DTYPE_BYTES[ns.kv_dtype] if ns.kv_dtype else wdt
+    if ns.model_shape:
+        if ns.model_shape not in MODELS:
+            raise ValueError(f"--model-shape must be one of {sorted(MODELS)}, got {ns.model_shape!r}")
+        base = MODELS[ns.model_shape]
+        shape = ModelShape(base.layers, base.hidden, base.heads, base.kv_heads, base.head_dim, base.intermediate,
+                           base.vocab, wdt, kdt)
+        max_len = args.max_model_len or 8192
+    else:
+        from pagedserve.model.loader import read_model_config, resolve_model
+        cfg = read_model_config(resolve_model(args.model))
+        shape = ModelShape.from_model_config(cfg, wdt, kdt)
+        max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    if ns.calibrate or ns.hardware == "calibrated":
+        from pagedserve.sim.calibrate import calibrate
+        cost = calibrate(args, use_cache=not ns.calibrate)
+    elif ns.hardware in PROFILES:
+        cost = RooflineCost(shape, PROFILES[ns.hardware])
+    else:
+        raise ValueError(f"--hardware must be one of {sorted(PROFILES) + ['calibrated']}, got {ns.hardware!r}")
+    if args.num_kv_blocks:
+        blocks = args.num_kv_blocks
+    else:
+        blocks = num_blocks_for(parse_bytes(args.kv_cache_memory or "4GiB", "kv_cache_memory"), shape, args.block_size)
+    return shape, cost, args, blocks, max_len
+
+
+def run_simulate(ns) -> int:
+    shape, cost, args, blocks, max_len = resolve(ns)
+    if ns.workload:
+        reqs = load_jsonl(ns.workload)
+        if ns.rate is not None:
+            reqs = with_arrivals(reqs, ns.rate, ns.sim_seed)
+    else:
+        reqs = poisson_workload(ns.rate or 1e9, ns.num_requests, ns.sim_seed,
+                                (math.log(ns.input_len), 1.0, 4, max_len // 2), (math.log(ns.output_len), 0.8, 4, max_len // 2))
+        if ns.rate is None:
+            reqs = with_arrivals(reqs, None)
+
+    def at_rate(rate):
+        rs = with_arrivals(reqs, rate, ns.sim_seed)
+        return simulate(rs, shape, cost, args, blocks, max_len).summary()
+
+    report = {"kv_blocks": blocks, "block_size": args.block_size, "weight_bytes": shape.weight_bytes}
+    res = simulate(reqs, shape, cost, args, blocks, max_len)
+    report["result"] = res.summary()
+    curve = []
+    if ns.slo:
+        slo = parse_slo(ns.slo)
+        rate, s = max_rate_meeting(slo, lambda r: curve.append((r, at_rate(r))) or curve[-1][1])
+        report["slo"] = {"terms": slo, "max_rate": round(rate, 3), "at_max_rate": s}
+    if ns.plot:
+        _plot(ns.plot, res, sorted(curve))
+    if ns.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print(report)
+    return 0
+
+
+def _print(report: dict) -> None:
+    r = report["result"]
+    print(f"KV pool: {report['kv_blocks']} blocks x {report['block_size']} tokens")
+    print(f"{r['requests']} requests in {r['duration_s']:.1f} s ({r['steps']} steps): {r['output_tok_s']:.1f} output tok/s, "
+          f"{r['preemptions']} preemptions, peak KV usage {100 * r['kv_usage_max']:.0f}%")
+    for m in ("ttft", "itl", "e2e"):
+        print(f"  {m:5s} p50 {r[f'{m}_p50_ms']:9.1f} ms   p90 {r[f'{m}_p90_ms']:9.1f} ms   p99 {r[f'{m}_p99_ms']:9.1f} ms")
+    if "slo" in report:
+        s = report["slo"]
+        print(f"highest rate meeting {s['terms']}: {s['max_rate']} req/s "
+              f"({s['at_max_rate']['output_tok_s']} output tok/s there)")
+
+
+def _plot(path: str, res, curve) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = 2 if curve else 1
+    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 3.8), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([t for t, _ in res.kv_usage], [100 * u for _, u in res.kv_usage])
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("KV blocks in use (%)")
+    ax.set_title("KV cache usage")
+    if curve:
+        ax = axes[0][1]
+        rates = [r for r, _ in curve]
+        for key, style in (("ttft_p99_ms", "o-"), ("itl_p99_ms", "s--"), ("ttft_p50_ms", "^:")):
+            ax.plot(rates, [s[key] for _, s in curve], style, label=key)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.legend()
+        ax.set_title("latency against rate (bisection points)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

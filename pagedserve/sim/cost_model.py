@@ -1,0 +1,178 @@
+"""How long one engine step takes, from what the step computes. Plain Python.
+
+A step is described by its features (`StepFeatures`, computed from the scheduler's own output):
+  - GEMM FLOPs: 2 x (matmul weights) x (tokens in the step), plus 2 x hidden x vocab per sampled row
+    (the LM head runs only on rows that sample);
+  - weight bytes: every weight is read once per step, whatever the batch;
+  - attention FLOPs: 4 x layers x heads x head_dim x (query tokens x keys each attends to);
+  - KV bytes: each sequence reads its whole context's K and V once per layer, and writes its new tokens';
+  - the number of sequences (per-sequence bookkeeping: input preparation, sampling, output).
+
+`RooflineCost` turns them into seconds on a named device: compute and memory overlap, so each part
+costs the larger of its FLOPs at the achievable FLOP/s and its bytes at the achievable bandwidth,
+plus a fixed per-step and per-sequence overhead. `FittedCost` is the same features with
+coefficients fitted to step times measured on this machine (`calibrate.py`); on a CPU compute and
+memory traffic do not overlap much, so there the parts add."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    weight_bytes_per_param: float = 2.0       # 2: fp16/bf16, 4: fp32, ~0.56: Q4
+    kv_bytes_per_value: float = 2.0
+
+    @property
+    def matmul_params(self) -> int:
+        """q/k/v/o projections and the gated MLP, all layers (the LM head is counted per sampled row)."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        return self.layers * (qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate)
+
+    @property
+    def weight_bytes(self) -> float:
+        return (self.matmul_params + self.hidden * self.vocab) * self.weight_bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_value
+
+    @classmethod
+    def from_model_config(cls, c, weight_bytes: float = 2.0, kv_bytes: float = 2.0) -> ModelShape:
+        return cls(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                   c.vocab_size, weight_bytes, kv_bytes)
+
+
+# Published shapes for projections (no weights needed).
+MODELS = {
+    "llama-3-8b": ModelShape(32, 4096, 32, 8, 128, 14336, 128256),
+    "llama-3-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 128256),
+    "smollm2-135m": ModelShape(30, 576, 9, 3, 64, 1536, 49152),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class StepFeatures:
+    tokens: int
+    sampled_rows: int
+    seqs: int
+    gemm_flops: float
+    attn_flops: float
+    kv_bytes: float
+
+
+def step_features(shape: ModelShape, seqs) -> StepFeatures:
+    """seqs: ScheduledSeq records of one step (start, num_tokens, sampling)."""
+    T = R = 0
+    attn = kvb = 0.0
+    per_token_attn = 4 * shape.layers * shape.heads * shape.head_dim
+    for s in seqs:
+        q, ctx = s.num_tokens, s.start + s.num_tokens
+        T += q
+        R += s.sampling.num_samples if s.sampling is not None else 0
+        attn += per_token_attn * q * (s.start + (q + 1) / 2)        # causal: query i sees start + i + 1 keys
+        kvb += shape.kv_bytes_per_token * ctx
+    gemm = 2.0 * shape.matmul_params * T + 2.0 * shape.hidden * shape.vocab * R
+    return StepFeatures(T, R, len(seqs), gemm, attn, kvb)
+
+
+@dataclass(slots=True, frozen=True)
+class Hardware:
+    """A device as the roofline sees it. Efficiencies are the fractions of peak that real kernels
+    reach; the defaults are typical of vLLM-class engines, not measurements of ours."""
+
+    name: str
+    matmul_flops: float             # peak dense FLOP/s at the weights' dtype
+    mem_bw: float                   # peak memory bandwidth, bytes/s
+    matmul_eff: float = 0.6
+    attn_eff: float = 0.3
+    bw_eff: float = 0.8
+    step_overhead_s: float = 0.002  # scheduling, input preparation, launches
+    seq_overhead_s: float = 2e-5    # per sequence in the step: sampling, detokenization
+
+
+PROFILES = {
+    "h100": Hardware("h100", 989e12, 3.35e12),              # SXM, bf16 dense
+    "h200": Hardware("h200", 989e12, 4.8e12),
+    "a100": Hardware("a100", 312e12, 2.0e12),
+    "a10g": Hardware("a10g", 70e12, 600e9),                  # approximate dense fp16 tensor peak
+    "l4": Hardware("l4", 121e12, 300e9),
+    "cpu": Hardware("cpu", 300e9, 23e9, matmul_eff=0.7, attn_eff=0.05, bw_eff=0.6, step_overhead_s=0.003,
+                    seq_overhead_s=2e-4),                   # a 2-core AMX host of the project machine kind
+}
+
+
+class RooflineCost:
+    def __init__(self, shape: ModelShape, hw: Hardware):
+        self.shape, self.hw = shape, hw
+
+    def step_time(self, f: StepFeatures) -> float:
+        hw, flops, bw = self.hw, self.hw.matmul_flops, self.hw.mem_bw * self.hw.bw_eff
+        dense = max(f.gemm_flops / (flops * hw.matmul_eff), self.shape.weight_bytes / bw)
+        attention = max(f.attn_flops / (flops * hw.attn_eff), f.kv_bytes / bw)
+        return hw.step_overhead_s + hw.seq_overhead_s * f.seqs + dense + attention
+
+
+FIT_TERMS = ("fixed", "multirow", "seqs", "gemm_flops", "attn_flops", "kv_bytes")
+
+
+@dataclass(slots=True)
+class FittedCost:
+    """t = fixed + m*[tokens > 1] + a*seqs + b*gemm_flops + c*attn_flops + d*kv_bytes, fitted on
+    measured steps. `fixed` holds the per-step weight read, which does not change with the batch;
+    `multirow` is what a step of several rows pays on top of a one-row step (a one-row step is a
+    GEMV, several rows go through a GEMM path with its own fixed cost: large on some CPUs, ~0 on GPUs)."""
+
+    coef: dict[str, float]
+    host: str = ""
+    rel_error_p50: float = 0.0       # of the fit on its own samples
+
+    def step_time(self, f: StepFeatures) -> float:
+        x = _row(f)
+        return sum(self.coef[k] * v for k, v in zip(FIT_TERMS, x))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(asdict(self), fh, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> FittedCost:
+        with open(path) as fh:
+            return cls(**json.load(fh))
+
+
+def _row(f: StepFeatures) -> list[float]:
+    return [1.0, float(f.tokens > 1), float(f.seqs), f.gemm_flops, f.attn_flops, f.kv_bytes]
+
+
+def fit(samples: list[tuple[StepFeatures, float]], host: str = "") -> FittedCost:
+    """Non-negative least squares on relative error (every step counts alike, short or long), by
+    an active set: solve, drop the most negative term, solve again."""
+    import numpy as np
+    X = np.array([_row(f) for f, _ in samples])
+    y = np.array([t for _, t in samples])
+    w = 1.0 / np.maximum(y, 1e-6)
+    scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
+    active = list(range(X.shape[1]))
+    while True:
+        A = (X[:, active] / scale[active]) * w[:, None]
+        sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
+        if (sol >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(sol)))
+    coef = dict.fromkeys(FIT_TERMS, 0.0)
+    for j, v in zip(active, sol):
+        coef[FIT_TERMS[j]] = max(0.0, float(v / scale[j]))
+    model = FittedCost(coef, host)
+    errs = sorted(abs(model.step_time(f) - t) / t for f, t in samples if t > 0)
+    model.rel_error_p50 = errs[len(errs) // 2] if errs else math.nan
+    return model
