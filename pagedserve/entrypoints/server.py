@@ -159,10 +159,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
-              max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None) -> FastAPI:
+              max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
+              engine_thread: bool = True) -> FastAPI:
+    """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
     from pagedserve.entrypoints.routes import router
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
-    aengine = AsyncLLMEngine(engine, request_timeout_s)
+    aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
     aengine.on_step = metrics.on_step
     state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name)
@@ -193,25 +195,31 @@ async def drain(state: ServerState, timeout_s: float) -> None:
 
 
 def run_server(args: EngineArgs, ns) -> int:
-    """Serve until SIGTERM (graceful: exit 0) or SIGINT; exit 1 if the engine dies."""
+    """Serve until SIGTERM (graceful: exit 0) or SIGINT; exit 1 if the engine dies. The engine steps
+    on the main thread; uvicorn serves HTTP from a second thread."""
+    import threading
+
     import uvicorn
 
     engine = LLMEngine(args)
-    app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout)
+    app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
+                    engine_thread=False)
     state: ServerState = app.state.server
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+    loop = asyncio.new_event_loop()
     exit_code = 0
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):    # uvicorn's own handler would stop at once and re-raise SIGTERM
-            if sig == signal.SIGTERM and not state.draining:
-                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(shutdown()))
-            else:
-                super().handle_exit(sig, frame)
 
     async def shutdown():
         await drain(state, ns.shutdown_timeout)
         await asyncio.sleep(0.2)          # let the last responses flush
         server.should_exit = True
+
+    def on_signal(sig, frame):
+        if sig == signal.SIGTERM and not state.draining:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(shutdown()))
+        else:                             # SIGINT, or a second signal: stop now
+            server.should_exit = server.force_exit = state.draining = True
+            loop.call_soon_threadsafe(state.aengine.fail_all, "shutdown", "the server was interrupted")
 
     def engine_died(err):
         nonlocal exit_code
@@ -219,14 +227,20 @@ def run_server(args: EngineArgs, ns) -> int:
         log.critical("the engine died; exiting in %.0f s so a supervisor restarts the server", ns.dead_engine_grace)
         loop.call_soon_threadsafe(loop.call_later, ns.dead_engine_grace, setattr, server, "should_exit", True)
 
-    server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+    def http():
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(server.serve())
+        finally:
+            state.aengine.shutdown()      # ends run() on the main thread
+
     state.aengine.on_dead = engine_died
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_until_complete(server.serve())
-    finally:
-        state.aengine.shutdown()
-        loop.close()
+    t = threading.Thread(target=http, name="pagedserve-http", daemon=True)
+    t.start()
+    state.aengine.run()
+    t.join()
+    loop.close()
     return exit_code
