@@ -11,8 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -20,7 +18,8 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serving import run_rate  # noqa: E402
+from served_streams import serve  # noqa: E402
+from serving import pct  # noqa: E402
 from throughput import load_workload, run_ours  # noqa: E402
 
 from pagedserve.config import EngineArgs  # noqa: E402
@@ -33,20 +32,44 @@ def as_sim(reqs, cap=None):
     return [SimRequest(0.0, tuple(r["prompt_token_ids"]), min(cap or r["max_tokens"], r["max_tokens"])) for r in reqs]
 
 
-def serve(args_list):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), *args_list],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    return srv, base
+async def one(client, base, req, max_tokens):
+    """One streamed request; ITL per token (a chunk carrying k tokens, per its logprobs, counts as k
+    gaps of 1/k each), which is what the simulator reports."""
+    t0 = time.perf_counter()
+    ttft, last, itl = None, None, []
+    body = {"prompt": req["prompt_token_ids"], "max_tokens": min(max_tokens, req["max_tokens"]), "stream": True,
+            "ignore_eos": True, "temperature": 0, "logprobs": 0}
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"]
+            k = len(ch[0]["logprobs"]["tokens"]) if ch and ch[0].get("logprobs") else 0
+            if not k:
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft, k = now - t0, k - 1
+            elif k:
+                itl.extend([(now - last) / k] * k)
+            last = now
+    return ttft, itl, body["max_tokens"]
+
+
+async def run_rate(base, reqs, rate, max_tokens, seed):
+    import random
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks, t0 = [], time.perf_counter()
+        for r in reqs:
+            tasks.append(asyncio.create_task(one(client, base, r, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        res = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    ttft = [x[0] for x in res if x[0] is not None]
+    itl = [g for x in res for g in x[1]]
+    return {"ttft_p50_ms": round(1000 * pct(ttft, 50), 1), "itl_p50_ms": round(1000 * pct(itl, 50), 1),
+            "output_tok_s": round(sum(x[2] for x in res) / wall, 2)}
 
 
 def main():

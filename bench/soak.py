@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import socket
 import subprocess

@@ -68,3 +68,12 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes to U+FFFD, as a
+        one-shot decode of the same tokens gives)."""
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]

@@ -99,6 +99,8 @@ class OutputProcessor:
                 self._check_stop_strings(seq, len(delta))
         if req.status.finished:
             self.counters.count_finish(req.status.value)
+            if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH:
+                seq.add_text(seq.detok.flush())
             if seq.detok is None:
                 seq.add_text(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens))
         seq.settle()

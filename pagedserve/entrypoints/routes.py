@@ -8,12 +8,13 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, message_text,
                                              to_sampling_params)
 from pagedserve.entrypoints.server import RequestError, ServerState, error_body, error_response
@@ -199,6 +200,7 @@ async def _deltas(stream: RequestStream, body, wrap, choice):
     finished) becomes one chunk, as it is. Then the usage chunk; a failure ends the stream with an
     `error` event instead."""
     done: set[int] = set()
+    held: dict[int, CompletionOutput] = {}      # tokens whose text is still empty (a partial character)
     num_prompt, num_completion, num_cached = 0, 0, 0
     try:
         async for out in stream:
@@ -208,7 +210,15 @@ async def _deltas(stream: RequestStream, body, wrap, choice):
             num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
             for o in out.outputs:
                 num_completion += len(o.token_ids)
-                if o.index in done or (not o.text and o.finish_reason is None):
+                if o.index in done:
+                    continue
+                if o.index in held:                 # carry earlier textless tokens into this chunk
+                    h = held.pop(o.index)
+                    o = replace(o, token_ids=h.token_ids + o.token_ids,
+                                logprobs=None if o.logprobs is None else h.logprobs + o.logprobs)
+                if not o.text and o.finish_reason is None:
+                    if o.token_ids:
+                        held[o.index] = o
                     continue
                 if o.finish_reason is not None:
                     done.add(o.index)

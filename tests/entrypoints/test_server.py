@@ -251,3 +251,16 @@ def test_32_concurrent_streams(server):
     res = asyncio.run(all_())
     assert all(n == got for n, got in res)
     assert wait_idle(engine)
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    """Deltas whose text is still empty (part of a multi-byte character) carry their tokens into the
+    next chunk: a stream's logprobs list every generated token once."""
+    kw = dict(model="m", prompt="Write the word 'café' and an emoji: ", max_tokens=24, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert len(toks) == full.usage.completion_tokens == 24
+    assert toks == full.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
