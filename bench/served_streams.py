@@ -15,26 +15,8 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from server_proc import serve  # noqa: E402
 from throughput import load_workload  # noqa: E402
-
-
-def serve(args_list, env=None):
-    """`pagedserve serve` on a free loopback port; returns (process, base URL) once healthy."""
-    import socket
-    import subprocess
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), *args_list],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    return srv, base
 
 
 async def client(base, queue, stats, max_tokens):

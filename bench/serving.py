@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 
@@ -18,6 +16,7 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from server_proc import serve  # noqa: E402
 from throughput import load_workload  # noqa: E402
 
 
@@ -50,12 +49,13 @@ async def one(client, base, req, max_tokens):
     return {"ttft": ttft, "itl": itl, "e2e": time.perf_counter() - t0, "tokens": n}
 
 
-async def run_rate(base, reqs, rate, max_tokens, seed):
+async def run_rate(base, reqs, rate, max_tokens, seed, request=one):
+    """`request(client, base, req, max_tokens)` -> {"ttft", "itl", "e2e", "tokens"} for one request."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=600) as client:
         tasks, t0 = [], time.perf_counter()
         for r in reqs:
-            tasks.append(asyncio.create_task(one(client, base, r, max_tokens)))
+            tasks.append(asyncio.create_task(request(client, base, r, max_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         res = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
@@ -83,20 +83,8 @@ def main():
                          "rates would hit the cache and look faster)")
     a = ap.parse_args()
     reqs = load_workload(a.workload)[: a.requests]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
-                            "--num-kv-blocks", "4096", *([] if a.prefix_caching else ["--no-enable-prefix-caching"])],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv, base = serve(["--num-kv-blocks", "4096", *([] if a.prefix_caching else ["--no-enable-prefix-caching"])])
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         with httpx.Client(timeout=120) as c:   # warm-up: first forward passes are slower
             c.post(base + "/v1/completions", json={"prompt": reqs[0]["prompt_token_ids"], "max_tokens": 4})
         rows = []

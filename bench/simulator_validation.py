@@ -18,12 +18,12 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from served_streams import serve  # noqa: E402
-from serving import pct  # noqa: E402
+from server_proc import serve  # noqa: E402
+from serving import run_rate  # noqa: E402
 from throughput import load_workload, run_ours  # noqa: E402
 
 from pagedserve.config import EngineArgs  # noqa: E402
-from pagedserve.sim.calibrate import calibrate, host_key, shape_of_engine  # noqa: E402
+from pagedserve.sim.calibrate import calibrate, calibration_workload, fit_trace, host_key, shape_of_engine  # noqa: E402
 from pagedserve.sim.cost_model import MODELS, PROFILES, RooflineCost  # noqa: E402
 from pagedserve.sim.simulator import SimRequest, poisson_workload, simulate, with_arrivals  # noqa: E402
 
@@ -53,23 +53,7 @@ async def one(client, base, req, max_tokens):
             elif k:
                 itl.extend([(now - last) / k] * k)
             last = now
-    return ttft, itl, body["max_tokens"]
-
-
-async def run_rate(base, reqs, rate, max_tokens, seed):
-    import random
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=600) as client:
-        tasks, t0 = [], time.perf_counter()
-        for r in reqs:
-            tasks.append(asyncio.create_task(one(client, base, r, max_tokens)))
-            await asyncio.sleep(rng.expovariate(rate))
-        res = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - t0
-    ttft = [x[0] for x in res if x[0] is not None]
-    itl = [g for x in res for g in x[1]]
-    return {"ttft_p50_ms": round(1000 * pct(ttft, 50), 1), "itl_p50_ms": round(1000 * pct(itl, 50), 1),
-            "output_tok_s": round(sum(x[2] for x in res) / wall, 2)}
+    return {"ttft": ttft, "itl": itl, "e2e": time.perf_counter() - t0, "tokens": body["max_tokens"]}
 
 
 def main():
@@ -98,7 +82,24 @@ def main():
                          "error": round(sim["output_tok_s"] / real["output_tok_s"] - 1, 4)}
     print(json.dumps(report["mixed64"]), flush=True)
 
-    # 3. serving at 3 rates (same requests, same arrival draws as bench/serving.py)
+    # 3. serving at 3 rates (same requests, same arrival draws as bench/serving.py), predicted by a fit
+    #    to a step trace of the server running the calibration waves (serving adds the HTTP thread)
+    trace = a.out + "-trace.jsonl"
+    if os.path.exists(trace):
+        os.remove(trace)
+    srv, base = serve(["--num-kv-blocks", "4096", "--no-enable-prefix-caching", "--step-trace", trace])
+    try:
+        async def wave(reqs):
+            async with httpx.AsyncClient(timeout=600) as c:
+                await asyncio.gather(*(one(c, base, {"prompt_token_ids": list(r.prompt_token_ids),
+                                                     "max_tokens": r.output_len}, r.output_len) for r in reqs))
+        for w in calibration_workload():
+            asyncio.run(wave(w))
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
+    served_cost = fit_trace(trace, shape)
+    report["served_calibration"] = {"coef": served_cost.coef, "rel_error_p50": round(served_cost.rel_error_p50, 4)}
     reqs16 = load_workload("mixed16")
     srv_args = EngineArgs(num_kv_blocks=4096, enable_prefix_caching=False)
     srv, base = serve(["--num-kv-blocks", "4096", "--no-enable-prefix-caching"])
@@ -107,8 +108,9 @@ def main():
         with httpx.Client(timeout=120) as c:
             c.post(base + "/v1/completions", json={"prompt": reqs16[0]["prompt_token_ids"], "max_tokens": 4})
         for i, rate in enumerate(float(x) for x in a.rates.split(",")):
-            m = asyncio.run(run_rate(base, reqs16, rate, a.max_tokens, seed=i))
-            s = simulate(with_arrivals(as_sim(reqs16, a.max_tokens), rate, seed=i), shape, cost, srv_args, 4096).summary()
+            m = asyncio.run(run_rate(base, reqs16, rate, a.max_tokens, seed=i, request=one))
+            s = simulate(with_arrivals(as_sim(reqs16, a.max_tokens), rate, seed=i), shape, served_cost, srv_args,
+                         4096).summary()
             row = {"rate": rate, "ttft_p50_ms": (m["ttft_p50_ms"], s["ttft_p50_ms"]),
                    "itl_p50_ms": (m["itl_p50_ms"], s["itl_p50_ms"]),
                    "output_tok_s": (m["output_tok_s"], s["output_tok_s"])}

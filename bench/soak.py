@@ -16,13 +16,15 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_proc import serve  # noqa: E402
 
 WORDS = ("paged attention keeps the cache in blocks while continuous batching lets requests join and leave "
          "every step so long prompts are chunked and short ones finish early").split()
@@ -197,21 +199,9 @@ def main(argv=None) -> int:
     if a.url:
         base = a.url.rstrip("/")
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        base = f"http://127.0.0.1:{port}"
-        srv = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
-                                "--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
-                                "--preemption-mode", a.preemption_mode, "--swap-space", "0.05"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        srv, base = serve(["--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
+                           "--preemption-mode", a.preemption_mode, "--swap-space", "0.05"])
     try:
-        for _ in range(900):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         rss0 = rss_bytes(srv.pid) if srv else None
         run = asyncio.run(soak(base, a))
         dbg = settle(base)

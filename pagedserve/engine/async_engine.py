@@ -89,6 +89,7 @@ class AsyncLLMEngine:
         self.dead: EngineDeadError | None = None
         self.on_step: Callable | None = None      # (engine, outputs), in the engine thread (metrics)
         self.on_dead: Callable | None = None      # (EngineDeadError), in the engine thread, once
+        self.on_stepped: Callable | None = None   # (engine), after each step (the step trace)
         self._inbox: queue.Queue[_Submit | Callable[[], None]] = queue.Queue()
         self._lock = threading.Lock()             # orders submissions against the engine's death
         self._streams: dict[str, RequestStream] = {}
@@ -156,7 +157,10 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=self._idle_wait_s())
                     self._wake.clear()
                     continue
-                self._deliver(self.engine.step())
+                outs = self.engine.step()
+                if self.on_stepped is not None:
+                    self.on_stepped(self.engine)
+                self._deliver(outs)
         except BaseException as e:      # nothing may leave a client waiting on a dead thread
             self._die(e)
 

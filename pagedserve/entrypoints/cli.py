@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may live before it ends with a timeout error (default: 600)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they end with an error")
+    s.add_argument("--step-trace", default=None, help="append each step's shape and time to this JSONL "
+                   "(`pagedserve simulate --calibrate-from` fits the cost model to it)")
     s.add_argument("--dead-engine-grace", type=float, default=2.0,
                    help="if the engine dies, seconds to answer clients before exiting with status 1")
     add_engine_flags(s, positional_model=True)

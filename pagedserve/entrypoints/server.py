@@ -235,6 +235,9 @@ def run_server(args: EngineArgs, ns) -> int:
             state.aengine.shutdown()      # ends run() on the main thread
 
     state.aengine.on_dead = engine_died
+    if ns.step_trace:
+        from pagedserve.sim.calibrate import StepTrace
+        state.aengine.on_stepped = StepTrace(ns.step_trace).record
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)

@@ -3,9 +3,11 @@ record each step's features and wall time, fit (`cost_model.fit`). Cached per ho
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.sim.cost_model import FittedCost, ModelShape, fit, step_features
@@ -72,6 +74,46 @@ def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, Mode
 def shape_of_engine(eng) -> ModelShape:
     b = DTYPE_BYTES.get(str(eng.runner.dtype).removeprefix("torch."), 4.0)
     return ModelShape.from_model_config(eng.model_config, weight_bytes=b, kv_bytes=b)
+
+
+class StepTrace:
+    """One JSON line per engine step: its sequences (start, tokens, samples) and its wall time. A
+    server started with --step-trace writes one; fit_trace() fits the cost model to it, so the fit
+    includes what serving adds (the HTTP thread shares the cores)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)
+
+    def record(self, engine) -> None:
+        so = engine.last_schedule
+        seqs = [[s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0] for s in so.seqs]
+        self.file.write(json.dumps({"step_s": engine.last_stats.step_s, "seqs": seqs}) + "\n")
+
+
+@dataclass(slots=True, frozen=True)
+class _Row:
+    num_samples: int
+
+
+@dataclass(slots=True, frozen=True)
+class _Seq:
+    start: int
+    num_tokens: int
+    sampling: _Row | None
+
+
+def fit_trace(path: str, shape: ModelShape) -> FittedCost:
+    samples = []
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            seqs = [_Seq(a, n, _Row(k) if k else None) for a, n, k in d["seqs"]]
+            if seqs:
+                samples.append((step_features(shape, seqs), d["step_s"]))
+    model = fit(samples, host_key())
+    log.info("fitted %d served steps from %s (median relative error %.1f%%)", len(samples), path,
+             100 * model.rel_error_p50)
+    return model
 
 
 def calibrate(args: EngineArgs, waves: list[list[SimRequest]] | None = None, use_cache: bool = True) -> FittedCost:

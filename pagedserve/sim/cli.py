@@ -22,6 +22,7 @@ def add_simulate_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: as --weight-dtype")
     g.add_argument("--hardware", default="cpu", help=f"{', '.join(PROFILES)} or calibrated (this machine, measured)")
     g.add_argument("--calibrate", action="store_true", help="measure this machine now (else a cached fit is used)")
+    g.add_argument("--calibrate-from", default=None, help="fit to a step trace of `pagedserve serve --step-trace`")
     g.add_argument("--workload", default=None, help="JSONL of {prompt_token_ids | prompt_len, max_tokens[, arrival_s]}")
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); none: all arrive at once")
     g.add_argument("--num-requests", type=int, default=200, help="for the synthetic workload")
@@ -63,7 +64,10 @@ def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
         cfg = read_model_config(resolve_model(args.model))
         shape = ModelShape.from_model_config(cfg, wdt, kdt)
         max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
-    if ns.calibrate or ns.hardware == "calibrated":
+    if ns.calibrate_from:
+        from pagedserve.sim.calibrate import fit_trace
+        cost = fit_trace(ns.calibrate_from, shape)
+    elif ns.calibrate or ns.hardware == "calibrated":
         from pagedserve.sim.calibrate import calibrate
         cost = calibrate(args, use_cache=not ns.calibrate)
     elif ns.hardware in PROFILES:

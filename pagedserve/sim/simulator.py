@@ -147,19 +147,22 @@ def num_blocks_for(kv_bytes: float, shape: ModelShape, block_size: int) -> int:
     return int(kv_bytes // (shape.kv_bytes_per_token * block_size))
 
 
-def max_rate_meeting(slo: dict[str, float], run, lo: float = 0.05, hi: float = 64.0, iters: int = 12) -> tuple[float, dict]:
+def max_rate_meeting(slo: dict[str, float], run, lo: float = 0.05, hi: float = 8.0, iters: int = 12,
+                     cap: float = 4096.0) -> tuple[float, dict]:
     """Bisection on the arrival rate for the highest one whose result meets every SLO term
-    (e.g. {"ttft_p99_ms": 2000, "itl_p99_ms": 100}). `run(rate)` returns a SimResult summary."""
+    (e.g. {"ttft_p99_ms": 2000, "itl_p99_ms": 100}). `run(rate)` returns a SimResult summary.
+    `hi` doubles until it fails the SLO (up to `cap`), then the bracket is bisected."""
     def ok(s):
         return all(s[k] <= v for k, v in slo.items())
-    best = None
     s = run(lo)
     if not ok(s):
         return 0.0, s
     best = (lo, s)
-    s = run(hi)
-    if ok(s):
-        return hi, s
+    while ok(s := run(hi)):
+        lo, best = hi, (hi, s)
+        if hi >= cap:
+            return best
+        hi *= 2
     for _ in range(iters):
         mid = math.sqrt(lo * hi)            # rates span decades: bisect in log space
         s = run(mid)

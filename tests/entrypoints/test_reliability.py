@@ -180,8 +180,10 @@ def test_api_key_guards_v1_and_debug_not_health(served):
         assert httpx.get(base + "/v1/models").status_code == 401
 
 
-def test_sigterm_drains_then_exits_zero():
-    with serve_in_process(["--num-kv-blocks", "256", "--shutdown-timeout", "3"]) as (base, proc):
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    with serve_in_process(["--num-kv-blocks", "256", "--shutdown-timeout", "3", "--step-trace", str(trace)]) \
+            as (base, proc):
         async def run():
             async with httpx.AsyncClient(base_url=base, timeout=60) as c:
                 long = asyncio.ensure_future(c.post("/v1/completions", json={
@@ -200,6 +202,8 @@ def test_sigterm_drains_then_exits_zero():
         assert health.status_code == 503
         assert long.status_code == 503 and "shut down" in long.json()["error"]["message"]
         assert proc.wait(timeout=20) == 0
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]    # the step trace, one line a step
+    assert len(steps) >= 8 and all(s["step_s"] > 0 and s["seqs"] for s in steps)
 
 
 DIE_AFTER_FIRST_STEP = """

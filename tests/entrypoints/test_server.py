@@ -1,41 +1,24 @@
 """The server over real HTTP on a loopback port, driven by the official openai SDK."""
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.entrypoints.helpers import serve_in_thread
+
 API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=600, max_waiting_requests=40, max_num_seqs=32))
     app = build_app(engine, api_key=API_KEY, max_body_bytes=200_000)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, app
-    srv.should_exit = True
-    t.join(timeout=10)
-    app.state.aengine.shutdown()
+    with serve_in_thread(app) as base:
+        yield base, engine, app
 
 
 @pytest.fixture(scope="module")

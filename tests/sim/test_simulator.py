@@ -84,3 +84,30 @@ def test_features_follow_the_step():
     assert f.gemm_flops == 2.0 * SHAPE.matmul_params * 4 + 2.0 * SHAPE.hidden * SHAPE.vocab * 2
     assert f.kv_bytes == SHAPE.kv_bytes_per_token * 14
     assert f.attn_flops == 4 * SHAPE.layers * SHAPE.heads * SHAPE.head_dim * 4 * (10 + 2.5)
+
+
+def test_fit_from_a_served_step_trace(tmp_path):
+    """`serve --step-trace` writes one line per step; fit_trace() fits the same cost model to it."""
+    import json
+
+    from pagedserve.sim.calibrate import fit_trace
+    kv = MODELS["smollm2-135m"]
+    true = FittedCost({"fixed": 0.03, "multirow": 0.02, "seqs": 0.0, "gemm_flops": 4e-12, "attn_flops": 0.0,
+                       "kv_bytes": 1e-10})
+    path = tmp_path / "trace.jsonl"
+
+    class Row:
+        def __init__(self, n):
+            self.num_samples = n
+
+    class Seq:
+        def __init__(self, start, n, k):
+            self.start, self.num_tokens, self.sampling = start, n, Row(k) if k else None
+    with open(path, "w") as f:
+        for b in range(1, 40):
+            seqs = [[100 + 37 * i + b, 1, 1] for i in range(b)] + ([[0, 256, 0]] if b % 3 == 0 else [])
+            t = true.step_time(step_features(kv, [Seq(*s) for s in seqs]))
+            f.write(json.dumps({"step_s": t, "seqs": seqs}) + "\n")
+    got = fit_trace(str(path), kv)
+    assert got.rel_error_p50 < 1e-3
+    assert got.coef["fixed"] == pytest.approx(0.03, rel=1e-2) and got.coef["multirow"] == pytest.approx(0.02, rel=1e-2)
