@@ -48,7 +48,7 @@ class Scheduler:
         self.cfg = cfg
         self.kv = kv
         self.clock = clock                        # injectable: the simulator runs on simulated time
-        self.waiting: list[tuple[tuple[int, int], Request]] = []   # heap on (priority, arrival_seq)
+        self.waiting: list[tuple[tuple[int, int, int], Request]] = []   # heap on Request.sort_key (a total order)
         self.running: list[Request] = []          # kept sorted by (priority, arrival): victims come off the end
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
