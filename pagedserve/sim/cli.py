@@ -12,11 +12,15 @@ from pagedserve.sim.simulator import (SimRequest, max_rate_meeting, num_blocks_f
                                       simulate, with_arrivals)
 
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "q4": 0.5625}
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 
 
 def add_simulate_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("simulation")
     g.add_argument("--model-shape", default=None, help=f"a named shape instead of --model: {', '.join(MODELS)}")
+    for name in SHAPE_FLAGS:
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help="model shape (as kv-plan takes); overrides --model / --model-shape")
     g.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="bytes per weight (default: fp32 for cpu and calibrated, bf16 on GPUs)")
     g.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: as --weight-dtype")
@@ -52,17 +56,24 @@ def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
     gpu = ns.hardware in PROFILES and ns.hardware != "cpu"
     wdt = DTYPE_BYTES[ns.weight_dtype or ("bf16" if gpu else "fp32")]
     kdt = DTYPE_BYTES[ns.kv_dtype] if ns.kv_dtype else wdt
-    if ns.model_shape:
-        if ns.model_shape not in MODELS:
+    given = {k: getattr(ns, k) for k in SHAPE_FLAGS if getattr(ns, k) is not None}
+    if ns.model_shape or (given and ns.model is None):
+        if ns.model_shape and ns.model_shape not in MODELS:
             raise ValueError(f"--model-shape must be one of {sorted(MODELS)}, got {ns.model_shape!r}")
-        base = MODELS[ns.model_shape]
-        shape = ModelShape(base.layers, base.hidden, base.heads, base.kv_heads, base.head_dim, base.intermediate,
-                           base.vocab, wdt, kdt)
+        base = MODELS.get(ns.model_shape)
+        missing = [f"--{k.replace('_', '-')}" for k in SHAPE_FLAGS if k not in given and base is None]
+        if missing:
+            raise ValueError(f"simulate needs --model, --model-shape or all shape flags (missing {', '.join(missing)})")
+        dims = {k: given.get(k, getattr(base, k, None)) for k in SHAPE_FLAGS}
+        shape = ModelShape(**dims, weight_bytes_per_param=wdt, kv_bytes_per_value=kdt)
         max_len = args.max_model_len or 8192
     else:
         from pagedserve.model.loader import read_model_config, resolve_model
         cfg = read_model_config(resolve_model(args.model))
         shape = ModelShape.from_model_config(cfg, wdt, kdt)
+        if given:
+            shape = ModelShape(**{k: given.get(k, getattr(shape, k)) for k in SHAPE_FLAGS},
+                               weight_bytes_per_param=wdt, kv_bytes_per_value=kdt)
         max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
     if ns.calibrate_from:
         from pagedserve.sim.calibrate import fit_trace

@@ -48,3 +48,17 @@ def test_simulate_bad_flags_are_clear(capsys):
     assert "--hardware" in capsys.readouterr().err
     assert main(["simulate", "--model-shape", "llama-3-8b", "--slo", "ttft<1s"]) == 2
     assert "--slo" in capsys.readouterr().err
+
+
+def test_simulate_from_shape_flags(capsys):
+    import json
+    args = ["simulate", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--intermediate", "14336", "--vocab", "128256", "--hardware", "a100", "--num-kv-blocks", "4000",
+            "--num-requests", "40", "--json"]
+    assert main(args) == 0
+    by_flags = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--model-shape", "llama-3-8b", "--hardware", "a100", "--num-kv-blocks", "4000",
+                 "--num-requests", "40", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_flags
+    assert main(["simulate", "--layers", "32", "--hardware", "a100"]) == 2
+    assert "--hidden" in capsys.readouterr().err
