@@ -80,8 +80,8 @@ class _Submit:
 
 class AsyncLLMEngine:
     """`start_thread=False` leaves the step loop to the caller's `run()`: `pagedserve serve` steps
-    on the main thread, where torch's CPU ops measured ~30% faster per step than on another thread
-    (OpenMP regions entered from a secondary thread cost more), and serves HTTP from a thread."""
+    on the main thread, where a step measured ~30% faster than on another thread (small torch CPU
+    ops cost up to 4x more there; torch's OpenMP pool is the suspect), and serves HTTP from a thread."""
 
     def __init__(self, engine: LLMEngine, request_timeout_s: float | None = None, start_thread: bool = True):
         self.engine = engine
