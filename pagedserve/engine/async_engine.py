@@ -73,8 +73,12 @@ class _Submit:
 
     def resolve(self, error: BaseException | None) -> None:
         def set_result(f: asyncio.Future = self.accepted):
-            if not f.done():
-                f.set_exception(error) if error is not None else f.set_result(None)
+            if f.done():
+                return
+            if error is not None:
+                f.set_exception(error)
+            else:
+                f.set_result(None)
         self.out.loop.call_soon_threadsafe(set_result)
 
 

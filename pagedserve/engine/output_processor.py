@@ -17,7 +17,8 @@ from pagedserve.tokenizer import IncrementalDetokenizer
 @dataclass(slots=True, eq=False)
 class SeqOutput:
     """One sequence's text and logprobs. Text is kept as settled parts plus a short pending tail
-    that a stop string could still cut; streams hand out settled parts as they come."""
+    that a stop string could still cut; a stream hands its settled parts out (and drops them)
+    after every step."""
 
     request: Request
     detok: IncrementalDetokenizer | None
@@ -26,7 +27,6 @@ class SeqOutput:
     pending: str = ""
     logprobs: list | None = None
     cum_logprob: float = 0.0
-    sent_parts: int = 0                         # parts already handed out (streams)
     sent_tokens: int = 0                        # tokens already handed out (streams)
 
     def add_text(self, delta: str) -> None:
@@ -124,9 +124,9 @@ class OutputProcessor:
         for i, seq in enumerate(st.seqs):
             r = seq.request
             if st.stream:
-                text = "".join(seq.parts[seq.sent_parts:])
-                start = seq.sent_tokens
-                seq.sent_parts, seq.sent_tokens = len(seq.parts), r.num_output_tokens
+                text, start = "".join(seq.parts), seq.sent_tokens
+                seq.parts.clear()
+                seq.sent_tokens = r.num_output_tokens
             else:
                 text, start = "".join(seq.parts), 0
             outs.append(CompletionOutput(i, text, r.output_token_ids[start:],

@@ -24,8 +24,6 @@ def check_utf8(value: Any) -> Any:
         for k, v in value.items():
             check_utf8(k)
             check_utf8(v)
-    elif isinstance(value, BaseModel):
-        check_utf8(value.model_dump())
     return value
 
 
