@@ -88,6 +88,20 @@ def exp_memory(out_dir):
         waste = 1 - sum(live) / max(1, sum(alloc))
         series[policy] = (live, alloc)
         rows.append([policy, max(running), f"{max(alloc) / 2**20:.1f}", f"{100 * waste:.1f}%", len(live), f"{wall:.1f}"])
+    # the same memory, three KV cache dtypes: bytes per token decide how many requests fit at once
+    mem = 96 * 16 * 46080                        # 96 float32 blocks of the default model (67.5 MiB)
+    kv_rows = []
+    for kv in ("float32", "bfloat16", "int8"):
+        llm = LLM(kv_cache_memory=mem, kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=64)
+        eng = llm.engine
+        running = []
+        t = time.perf_counter()
+        drive(eng, lambda i: [eng.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
+                                              SamplingParams(max_tokens=min(64, r["max_tokens"]), ignore_eos=True))
+                              for r in reqs] if i == 0 else None,
+              lambda i, e, outs, dt: running.append(len(e.scheduler.running)))
+        kv_rows.append([kv, eng.kv_cache_bytes_per_token, eng.kv.pool.num_blocks, max(running), len(running),
+                        eng.counters.preemptions, f"{time.perf_counter() - t:.1f}"])
     p = plt()
     fig, ax = p.subplots(figsize=(8, 4))
     for policy, (live, alloc) in series.items():
@@ -99,7 +113,9 @@ def exp_memory(out_dir):
     ax.legend()
     save(fig, out_dir, "exp_memory.png")
     return table(["allocation", "max concurrent requests", "peak allocated MiB", "waste (1 - live/allocated)",
-                  "steps", "wall s"], rows)
+                  "steps", "wall s"], rows) + f"\n\nKV cache dtype, pool of {mem / 2**20:.0f} MiB each:\n\n" + table(
+        ["--kv-cache-dtype", "bytes/token", "blocks", "max concurrent requests", "steps", "preemptions", "wall s"],
+        kv_rows)
 
 
 # ---------------------------------------------------------------- b. static vs continuous
@@ -180,12 +196,11 @@ def exp_chunked(out_dir):
             now = time.perf_counter()
             if t0[0] is None:
                 t0[0] = now
-            for o in outs:
-                if o.request_id.startswith("d"):
-                    n = len(o.outputs[0].token_ids)
-                    if o.request_id in last and n > last[o.request_id][0]:
-                        itl.append((now - t0[0], now - last[o.request_id][1]))
-                    last[o.request_id] = (n, now)
+            for o in outs:     # a stream's output carries the tokens new since the last one
+                if o.request_id.startswith("d") and o.outputs[0].token_ids:
+                    if o.request_id in last:
+                        itl.append((now - t0[0], now - last[o.request_id]))
+                    last[o.request_id] = now
         drive(eng, add, on_step)
         xs = [d for _, d in itl]
         curves[name] = itl

@@ -3,6 +3,8 @@ transformers' continuous batching (hf_cb.py) and static batching (hf_static.py, 
 after the other in this one invocation; prints each RESULT and the ratios.
 
 Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num-batched-tokens N] ...
+       python bench/throughput.py --kv-cache-dtypes float32,bfloat16,int8 --baselines hf_cb.py
+       (one pagedserve run per KV cache dtype, then the chosen baselines)
 """
 import argparse
 import json
@@ -21,13 +23,13 @@ def load_workload(name: str) -> list[dict]:
     return workload.make(name)
 
 
-def run_ours(reqs, args) -> dict:
+def run_ours(reqs, args, kv_cache_dtype: str = "auto") -> dict:
     import torch
     from pagedserve import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              long_prefill_token_threshold=args.chunk)
+              long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - t0
     eng = llm.engine
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -49,7 +51,7 @@ def run_ours(reqs, args) -> dict:
     fwd_s = sum(s.forward_s for s in steps)
     busy = [s for s in steps if s.num_running >= 48]
     busy_out = (sum(s.step_s - s.forward_s for s in busy) / max(1e-9, sum(s.step_s for s in busy))) if busy else None
-    return {"engine": "pagedserve", "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
+    return {"engine": "pagedserve", "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
             "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
             "total_tok_s": round((p_tok + o_tok) / wall, 2), "token_counts_ok": ok, "steps": len(steps),
             "share_outside_forward": round(1 - fwd_s / step_s, 3),
@@ -77,22 +79,28 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: one pagedserve run each")
+    ap.add_argument("--baselines", default="hf_cb.py,hf_static.py", help="comma-separated shared drivers")
     a = ap.parse_args()
     reqs = load_workload(a.workload)
-    results = [run_ours(reqs, a)]
-    print("RESULT " + json.dumps(results[0]), flush=True)
+    ours = []
+    for kv in a.kv_cache_dtypes.split(","):
+        ours.append(run_ours(reqs, a, kv))
+        print("RESULT " + json.dumps(ours[-1]), flush=True)
     if not a.no_baselines:
         wl_path = os.path.join("/tmp", f"{a.workload}.jsonl")
         with open(wl_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in reqs)
-        for script, extra in (("hf_cb.py", []), ("hf_static.py", ["16"])):
-            r = run_baseline(script, wl_path, extra)
-            results.append(r)
+        base = []
+        for script in a.baselines.split(","):
+            r = run_baseline(script, wl_path, ["16"] if script == "hf_static.py" else [])
+            base.append(r)
             print("RESULT " + json.dumps(r), flush=True)
-        ours = results[0]["output_tok_s"]
-        for r in results[1:]:
-            if "output_tok_s" in r:
-                print(f"RATIO pagedserve / {r['engine']}: {ours / r['output_tok_s']:.2f}x output tok/s")
+        for o in ours:
+            for r in base:
+                if "output_tok_s" in r:
+                    print(f"RATIO pagedserve (KV {o['kv_cache_dtype']}) / {r['engine']}: "
+                          f"{o['output_tok_s'] / r['output_tok_s']:.2f}x output tok/s")
 
 
 if __name__ == "__main__":

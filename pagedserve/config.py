@@ -14,6 +14,9 @@ def _h(text: str, **kw) -> dict:
 class EngineArgs:
     model: str | None = field(default=None, metadata=_h("GGUF file or HF folder; default: the bundled SmolLM2-135M-Instruct"))
     dtype: str = field(default="auto", metadata=_h("float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on GPU)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_h(
+        "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
+        "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
     device: str = field(default="cpu", metadata=_h("cpu | cuda"))
     block_size: int = field(default=16, metadata=_h("tokens per KV block"))
     num_kv_blocks: int | None = field(default=None, metadata=_h("KV pool size in blocks (overrides --kv-cache-memory)"))
@@ -53,7 +56,8 @@ class EngineArgs:
             bad("max_waiting_requests", "must be non-negative")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("cpu", "cuda"),
+        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
+                   "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static")}
         for name, ok in choices.items():

@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 
 MiB, GiB = 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+# bytes stored per token and kv head beside the values: pagedserve's int8 KV cache keeps one float32
+# scale per token and head (--kv-cache-dtype int8); fp8 here means a per-tensor scale, as vLLM's
+SCALE_BYTES = {"int8": 4}
 
 
 @dataclass(slots=True)
@@ -42,14 +45,14 @@ class KVPlan:
 
 
 def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int, lengths: list[int],
-         max_len: int, budget_bytes: int | None = None, fit_len: int | None = None) -> KVPlan:
+         max_len: int, budget_bytes: int | None = None, fit_len: int | None = None, scale_bytes: int = 0) -> KVPlan:
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size),
                     ("max_len", max_len)):
         if v < 1:
             raise ValueError(f"{name} must be positive, got {v}")
     if any(L < 1 for L in lengths):
         raise ValueError(f"lengths must be positive, got {lengths}")
-    per_tok = 2 * layers * kv_heads * head_dim * dtype_bytes
+    per_tok = 2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)
     block_bytes = per_tok * block_size
     reqs = []
     for L in lengths:
@@ -127,6 +130,7 @@ def run_kv_plan(ns) -> int:
     except ValueError:
         raise ValueError(f"--lengths must be comma-separated integers, got {ns.lengths!r}") from None
     budget = parse_bytes(ns.budget, "--budget") if ns.budget else None
-    p = plan(layers, kv_heads, head_dim, DTYPE_BYTES[ns.dtype], ns.block_size, lengths, ns.max_len, budget, ns.fit_len)
+    p = plan(layers, kv_heads, head_dim, DTYPE_BYTES[ns.dtype], ns.block_size, lengths, ns.max_len, budget, ns.fit_len,
+             SCALE_BYTES.get(ns.dtype, 0))
     print(json.dumps(asdict(p), indent=2) if ns.json else render(p))
     return 0

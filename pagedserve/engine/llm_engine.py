@@ -16,6 +16,7 @@ from pagedserve.core.step import SchedulerOutput
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
+from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
 from pagedserve.sampling_params import SamplingParams
@@ -43,13 +44,16 @@ class LLMEngine:
                                  cfg.max_position_embeddings)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.workspace_bytes = self._workspace_bytes(dtype)
-        num_blocks = self._size_kv_pool(dtype)
-        bytes_per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * args.block_size
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
+        self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
+        self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))
+        num_blocks = self._size_kv_pool()
+        bytes_per_block = self.kv_cache_bytes_per_token * args.block_size
         num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
@@ -69,12 +73,15 @@ class LLMEngine:
         gather = a.max_num_seqs * self.max_model_len * c.num_kv_heads * c.head_dim * 2
         return act * (torch.finfo(dtype).bits // 8) + logits + gather * (torch.finfo(dtype).bits // 8)
 
-    def _size_kv_pool(self, dtype) -> int:
-        a, c = self.args, self.model_config
-        per_block = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * a.block_size
+    def _size_kv_pool(self) -> int:
+        a = self.args
+        per_block = self.kv_cache_bytes_per_token * a.block_size
+        kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head" if "int8" in
+                                                  self.kv_cache_dtype_name else "")
         if a.num_kv_blocks is not None:
-            log.info("memory plan: weights %.2f GiB | KV pool %.2f GiB = num_kv_blocks %d x %d tokens",
-                     self.weights_bytes / GiB, a.num_kv_blocks * per_block / GiB, a.num_kv_blocks, a.block_size)
+            log.info("memory plan: weights %.2f GiB | %s | KV pool %.2f GiB = num_kv_blocks %d x %d tokens at %d "
+                     "bytes/token", self.weights_bytes / GiB, kv, a.num_kv_blocks * per_block / GiB, a.num_kv_blocks,
+                     a.block_size, per_block // a.block_size)
             return a.num_kv_blocks
         if a.kv_cache_memory is not None:
             budget = parse_bytes(a.kv_cache_memory, "kv_cache_memory")
@@ -87,8 +94,8 @@ class LLMEngine:
         if blocks < 2:
             raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
         log.info("memory plan: weights %.2f GiB | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
-                 "attention scratch) | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens at %d bytes/token",
-                 self.weights_bytes / GiB, self.workspace_bytes / GiB, a.max_num_batched_tokens,
+                 "attention scratch) | %s | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens at %d bytes/token",
+                 self.weights_bytes / GiB, self.workspace_bytes / GiB, a.max_num_batched_tokens, kv,
                  blocks * per_block / GiB, how, blocks, a.block_size, blocks * a.block_size, per_block // a.block_size)
         return int(blocks)
 

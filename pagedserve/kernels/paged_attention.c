@@ -1,53 +1,563 @@
-/* Decode attention read straight through block tables (CPU, fp32): no per-sequence copy of the
- * context. One task per sequence; each token's K (and V) row for all kv heads is one contiguous
- * run of n_kv * head_dim floats, loaded once for every query head (GQA).
- * Cache layout: [num_blocks, block_size, n_kv, head_dim]. */
+/* Paged attention on the CPU, reading K/V in place through block tables (no gather copy).
+ *
+ * Cache layout per layer: [num_blocks, block_size, n_kv, head_dim] in one of three formats:
+ *   KV_F32  float32
+ *   KV_BF16 bfloat16 (the high half of a float32: widened by a shift)
+ *   KV_I8   int8 with one float32 scale per token and kv head ([num_blocks, block_size, n_kv])
+ * Every format is read natively: a row is widened to float32 in registers (decode) or into a
+ * 16-token tile in L1 (prefill), never by a pass over the cache.
+ *
+ * Vectors are GCC vector extensions of 16 floats: one zmm register with AVX-512, two ymm with
+ * AVX2, four xmm otherwise. The same source is compiled once per ISA level (kernels/__init__.py
+ * keys each build by the host's CPU flags) and the best level the host runs is loaded.
+ *
+ * decode:  one query row per sequence; work items are (sequence, context range) so that few or
+ *          long sequences still fill every thread (flash-decoding); each item runs an online
+ *          softmax over its range, block by block; items of one sequence are merged at the end.
+ *          A K/V row of a kv head is loaded once for all query heads of its group.
+ * prefill: all prefill chunks of a step in one call (varlen: cu_q gives each chunk's rows);
+ *          queries of a chunk see the cached prefix and, causally, the chunk itself. Work items
+ *          are (chunk, 16-query tile, kv head): the tile's rows (group x 16) are multiplied with
+ *          16-key tiles of K (transposed into L1) and V with an online softmax per row. */
 #include <math.h>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                            const int64_t *block_tables, const int64_t *context_lens, float *out,
-                            float *scores, int num_seqs, int n_heads, int n_kv, int head_dim,
-                            int block_size, int max_blocks, float scale) {
-    const int group = n_heads / n_kv;
-    const int64_t max_ctx = (int64_t)max_blocks * block_size;
-    const int64_t row = (int64_t)n_kv * head_dim;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int d = 0; d < num_seqs; d++) {
-        const int64_t n = context_lens[d];
-        const int64_t *table = block_tables + (int64_t)d * max_blocks;
-        const float *qd = q + (int64_t)d * n_heads * head_dim;
-        float *s = scores + (int64_t)d * n_heads * max_ctx;      /* s[head][t] */
-        for (int64_t t = 0; t < n; t++) {
-            const float *kr = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int qh = 0; qh < n_heads; qh++) {
-                const float *kv = kr + (int64_t)(qh / group) * head_dim;
-                const float *qv = qd + (int64_t)qh * head_dim;
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int e = 0; e < head_dim; e++) acc += qv[e] * kv[e];
-                s[qh * max_ctx + t] = acc * scale;
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+
+static int g_threads = 0;          /* 0: OpenMP's default (all cores); set to match torch's threads */
+void paged_attention_set_threads(int n) { g_threads = n > 0 ? n : 0; }
+#define THREADS (g_threads > 0 ? g_threads : omp_get_max_threads())
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define KV_BYTES(dt) ((dt) == KV_F32 ? 4 : (dt) == KV_BF16 ? 2 : 1)
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 64          /* how far ahead decode asks for K/V rows, in keys */
+#endif
+
+INLINE v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+INLINE v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+INLINE void store_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* 16 consecutive elements of a cache row, widened to float32. GCC's __builtin_convertvector turns
+ * int8/uint16 -> int32 into scalar code, so the widening uses the ISA's own instructions. */
+INLINE v16 load_kv(int dt, const void *base, int64_t i) {
+    if (dt == KV_F32) return load_f32((const float *)base + i);
+    if (dt == KV_BF16) {
+        const uint16_t *p = (const uint16_t *)base + i;
+#if defined(__AVX512F__)
+        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+        __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+        __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
+        v8 a = (v8)lo, b = (v8)hi;
+        return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+        v16u w;
+        for (int e = 0; e < 16; e++) w[e] = (uint32_t)p[e] << 16;
+        return (v16)w;
+#endif
+    }
+    const int8_t *p = (const int8_t *)base + i;
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    v8 a = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8 b = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v16 f;
+    for (int e = 0; e < 16; e++) f[e] = (float)p[e];
+    return f;
+#endif
+}
+
+/* horizontal sum / max in log steps (4 shuffles), not 15 dependent lane extracts */
+INLINE float hsum(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+INLINE v8 max8(v8 a, v8 b) {
+    const v8i gt = a > b;
+    return (v8)((gt & (v8i)a) | (~gt & (v8i)b));
+}
+
+INLINE v16 vmax(v16 a, v16 b) {
+    const v16i gt = a > b;
+    return (v16)((gt & (v16i)a) | (~gt & (v16i)b));
+}
+
+INLINE float hmax(v16 v) {
+    v8 a = max8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+    float m = a[0];
+    for (int i = 1; i < 8; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* 16 vectors of partial dot products (one per key) -> one vector of the 16 dots, lane j = key j:
+ * four levels of folding, each halving the lanes a key occupies (15 shuffle pairs for 16 dots) */
+#define FOLD(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+INLINE v16 fold16(v16 x, v16 y) {
+    return FOLD(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           FOLD(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+INLINE v16 fold8(v16 x, v16 y) {
+    return FOLD(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           FOLD(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+INLINE v16 fold4(v16 x, v16 y) {
+    return FOLD(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           FOLD(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+INLINE v16 fold2(v16 x, v16 y) {
+    return FOLD(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           FOLD(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+INLINE v16 reduce16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) b[i] = fold16(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 4; i++) c[i] = fold8(b[2 * i], b[2 * i + 1]);
+    for (int i = 0; i < 2; i++) d[i] = fold4(c[2 * i], c[2 * i + 1]);
+    return fold2(d[0], d[1]);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), Cephes-style: 2^n * p(r), |rel err| < 2e-7;
+ * below -87 the result is 0 (and exp(-inf) = 0 for masked keys). */
+INLINE v16 vexp(v16 x) {
+    const v16 lo = splat(-87.f);
+    const v16i dead = x < lo;                                     /* all-ones lanes where x < -87 */
+    x = (v16)(((v16i)x & ~dead) | ((v16i)lo & dead));
+    const v16 fx = x * splat(1.44269504088896341f), t = fx + splat(0.5f);
+    v16 nf = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);   /* trunc toward 0 */
+    nf += __builtin_convertvector((v16i)(nf > t), v16);                         /* -> floor(fx + 0.5) */
+    const v16i n = __builtin_convertvector(nf, v16i);
+    const v16 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.f);
+    const v16 y = p * (v16)((n + 127) << 23);
+    return (v16)((v16i)y & ~dead);
+}
+
+INLINE float sexp(float x) { return expf(x); }
+
+/* ------------------------------------------------------------------ decode */
+
+/* cache slots of keys t0 .. t0 + n - 1 through a block table: one division per tile, not per key */
+INLINE void slots_of(const int64_t *table, int bs, int64_t t0, int n, int64_t *slot) {
+    int64_t b = t0 / bs;
+    int off = (int)(t0 - b * bs);
+    for (int j = 0; j < n; j++) {
+        slot[j] = table[b] * bs + off;
+        if (++off == bs) { off = 0; b++; }
+    }
+}
+
+/* One work item: sequence rows q (n_heads x hd, already multiplied by the softmax scale), keys
+ * [t0, t1) of its context. Leaves the unnormalised state: m (running max), l (sum), acc (n_heads x hd). */
+#define DT_KEYS 32      /* decode keys per tile: two vectors of scores per head, one softmax update */
+
+INLINE void decode_range(const int dt, const int HD, const float *q, const void *kc, const void *vc,
+                         const float *ks, const float *vs, const int64_t *table, int64_t t0, int64_t t1,
+                         int n_heads, int n_kv, int bs, float *m, float *l, float *acc) {
+    const int group = n_heads / n_kv, C = HD / 16;
+    const int64_t row = (int64_t)n_kv * HD;
+    float sc[n_heads * DT_KEYS] __attribute__((aligned(64)));
+    float tile[DT_KEYS * HD] __attribute__((aligned(64)));     /* bf16 / int8 rows widened (and scaled) once */
+    for (int h = 0; h < n_heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    memset(acc, 0, sizeof(float) * n_heads * HD);
+    for (int64_t c0 = t0; c0 < t1; c0 += DT_KEYS) {
+        const int nk = (int)(t1 - c0 < DT_KEYS ? t1 - c0 : DT_KEYS);
+        int64_t slot[DT_KEYS];
+        slots_of(table, bs, c0, nk, slot);
+        /* the tile PREFETCH_KEYS ahead sits in other blocks, where the hardware prefetcher cannot follow:
+         * ask for its rows, one kv head's share at a time, between the loads of this tile */
+        const int64_t p0 = c0 + PREFETCH_KEYS;
+        const int np = (int)(t1 - p0 < DT_KEYS ? (t1 > p0 ? t1 - p0 : 0) : DT_KEYS);
+        int64_t pslot[DT_KEYS];
+        slots_of(table, bs, p0, np, pslot);
+        for (int g = 0; g < n_kv; g++) {                  /* scores: each K row serves the whole group */
+            for (int j = 0; j < np; j++)
+                for (int b = 0; b < HD * KV_BYTES(dt); b += 64)
+                    __builtin_prefetch((const char *)kc + (pslot[j] * row + (int64_t)g * HD) * KV_BYTES(dt) + b);
+            const float *kr[DT_KEYS];
+            for (int j = 0; j < nk; j++) {
+                const int64_t off = slot[j] * row + (int64_t)g * HD;
+                if (dt == KV_F32) { kr[j] = (const float *)kc + off; continue; }
+                const float s = dt == KV_I8 ? ks[slot[j] * n_kv + g] : 1.f;
+                for (int c = 0; c < C; c++) store_f32(tile + j * HD + 16 * c, load_kv(dt, kc, off + 16 * c) * s);
+                kr[j] = tile + j * HD;
+            }
+            for (int hh = 0; hh < group; hh++) {
+                const int h = g * group + hh;
+                v16 qv[C];
+                for (int c = 0; c < C; c++) qv[c] = load_f32(q + h * HD + 16 * c);
+                for (int j0 = 0; j0 < DT_KEYS; j0 += 16) {
+                    v16 a[16];
+                    for (int j = 0; j < 16; j++) {
+                        a[j] = splat(0.f);
+                        if (j0 + j < nk)
+                            for (int c = 0; c < C; c++) a[j] += qv[c] * load_f32(kr[j0 + j] + 16 * c);
+                    }
+                    store_f32(sc + h * DT_KEYS + j0, reduce16(a));
+                }
             }
         }
-        for (int qh = 0; qh < n_heads; qh++) {
-            float *sh = s + qh * max_ctx, mx = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
-            for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
-            const float inv = 1.f / sum;
-            for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+        for (int h = 0; h < n_heads; h++) {               /* online softmax, 32 keys per head at once */
+            v16 s0 = load_f32(sc + h * DT_KEYS), s1 = load_f32(sc + h * DT_KEYS + 16);
+            if (nk < DT_KEYS)
+                for (int j = nk; j < DT_KEYS; j++) {
+                    if (j < 16) s0[j] = -INFINITY; else s1[j - 16] = -INFINITY;
+                }
+            const float mx = hmax(vmax(s0, s1)), mn = mx > m[h] ? mx : m[h];
+            if (mn > m[h]) {
+                const float corr = sexp(m[h] - mn);
+                l[h] *= corr;
+                for (int c = 0; c < C; c++) store_f32(acc + h * HD + 16 * c, load_f32(acc + h * HD + 16 * c) * corr);
+                m[h] = mn;
+            }
+            const v16 p0v = vexp(s0 - splat(mn)), p1v = vexp(s1 - splat(mn));
+            l[h] += hsum(p0v + p1v);
+            store_f32(sc + h * DT_KEYS, p0v);
+            store_f32(sc + h * DT_KEYS + 16, p1v);
         }
-        float *od = out + (int64_t)d * n_heads * head_dim;
-        memset(od, 0, sizeof(float) * n_heads * head_dim);
-        for (int64_t t = 0; t < n; t++) {
-            const float *vr = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int qh = 0; qh < n_heads; qh++) {
-                const float *vv = vr + (int64_t)(qh / group) * head_dim;
-                const float w = s[qh * max_ctx + t];
-                float *o = od + (int64_t)qh * head_dim;
-#pragma omp simd
-                for (int e = 0; e < head_dim; e++) o[e] += w * vv[e];
+        for (int g = 0; g < n_kv; g++) {                  /* acc += p V: up to 3 heads per V load */
+            for (int j = 0; j < np; j++)
+                for (int b = 0; b < HD * KV_BYTES(dt); b += 64)
+                    __builtin_prefetch((const char *)vc + (pslot[j] * row + (int64_t)g * HD) * KV_BYTES(dt) + b);
+            const float *vr[DT_KEYS];
+            for (int j = 0; j < nk; j++) {
+                const int64_t off = slot[j] * row + (int64_t)g * HD;
+                if (dt == KV_F32) { vr[j] = (const float *)vc + off; continue; }
+                const float s = dt == KV_I8 ? vs[slot[j] * n_kv + g] : 1.f;
+                for (int c = 0; c < C; c++) store_f32(tile + j * HD + 16 * c, load_kv(dt, vc, off + 16 * c) * s);
+                vr[j] = tile + j * HD;
+            }
+            for (int h0 = g * group; h0 < (g + 1) * group; h0 += 3) {
+                const int nh = (g + 1) * group - h0 < 3 ? (g + 1) * group - h0 : 3;
+                v16 o0[C], o1[C], o2[C];
+                for (int c = 0; c < C; c++) {
+                    o0[c] = load_f32(acc + h0 * HD + 16 * c);
+                    o1[c] = nh > 1 ? load_f32(acc + (h0 + 1) * HD + 16 * c) : splat(0.f);
+                    o2[c] = nh > 2 ? load_f32(acc + (h0 + 2) * HD + 16 * c) : splat(0.f);
+                }
+                for (int j = 0; j < nk; j++) {
+                    const float w0 = sc[h0 * DT_KEYS + j], w1 = nh > 1 ? sc[(h0 + 1) * DT_KEYS + j] : 0.f,
+                                w2 = nh > 2 ? sc[(h0 + 2) * DT_KEYS + j] : 0.f;
+                    for (int c = 0; c < C; c++) {
+                        const v16 v = load_f32(vr[j] + 16 * c);
+                        o0[c] += w0 * v;
+                        o1[c] += w1 * v;
+                        o2[c] += w2 * v;
+                    }
+                }
+                for (int c = 0; c < C; c++) {
+                    store_f32(acc + h0 * HD + 16 * c, o0[c]);
+                    if (nh > 1) store_f32(acc + (h0 + 1) * HD + 16 * c, o1[c]);
+                    if (nh > 2) store_f32(acc + (h0 + 2) * HD + 16 * c, o2[c]);
+                }
             }
         }
     }
+}
+
+/* Decode work plan: contexts split into ranges of `chunk` keys so that there are at least 4 items per
+ * thread (a lone long context is shared by all threads); items[first[d] .. first[d + 1]) are sequence d's. */
+typedef struct { int seq; int64_t t0, t1; } item_t;
+typedef struct { int threads, n_items; int *first; item_t *items; float *part; } plan_t;
+
+static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD) {
+    plan_t pl;
+    pl.threads = THREADS;
+    int64_t total = 0;
+    for (int d = 0; d < num_seqs; d++) total += context_lens[d];
+    int64_t chunk = (total + 4 * pl.threads - 1) / (4 * pl.threads);
+    chunk = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;
+    pl.first = malloc(sizeof(int) * (num_seqs + 1));
+    pl.n_items = 0;
+    for (int d = 0; d < num_seqs; d++) {
+        pl.first[d] = pl.n_items;
+        pl.n_items += context_lens[d] > 0 ? (int)((context_lens[d] + chunk - 1) / chunk) : 0;
+    }
+    pl.first[num_seqs] = pl.n_items;
+    pl.items = malloc(sizeof(item_t) * (pl.n_items ? pl.n_items : 1));
+    for (int d = 0; d < num_seqs; d++)
+        for (int i = pl.first[d]; i < pl.first[d + 1]; i++) {
+            const int64_t t0 = (int64_t)(i - pl.first[d]) * chunk, t1 = t0 + chunk;
+            pl.items[i] = (item_t){d, t0, t1 < context_lens[d] ? t1 : context_lens[d]};
+        }
+    pl.part = malloc(sizeof(float) * (int64_t)n_heads * (HD + 2) * (pl.n_items ? pl.n_items : 1));
+    return pl;
+}
+
+/* out[d] = the items' (m, l, acc) states of sequence d merged: rescale each to the common max */
+static void merge_decode(const plan_t *pl, float *out, int num_seqs, int n_heads, int HD) {
+    const int64_t state = (int64_t)n_heads * (HD + 2);
+    const float *part = pl->part;
+#pragma omp parallel for schedule(static) num_threads(pl->threads)
+    for (int d = 0; d < num_seqs; d++) {
+        for (int h = 0; h < n_heads; h++) {
+            float M = -INFINITY, L = 0.f;
+            for (int i = pl->first[d]; i < pl->first[d + 1]; i++) M = part[state * i + h] > M ? part[state * i + h] : M;
+            float *o = out + ((int64_t)d * n_heads + h) * HD;
+            memset(o, 0, sizeof(float) * HD);
+            for (int i = pl->first[d]; i < pl->first[d + 1]; i++) {
+                const float *st = part + state * i;
+                if (st[h] == -INFINITY) continue;
+                const float w = sexp(st[h] - M);
+                L += st[n_heads + h] * w;
+                const float *acc = st + 2 * n_heads + (int64_t)h * HD;
+                for (int e = 0; e < HD; e++) o[e] += w * acc[e];
+            }
+            const float inv = L > 0.f ? 1.f / L : 0.f;
+            for (int e = 0; e < HD; e++) o[e] *= inv;
+        }
+    }
+}
+
+static void free_plan(plan_t *pl) { free(pl->part); free(pl->items); free(pl->first); }
+
+/* ------------------------------------------------------------------ prefill */
+
+#define QT 16      /* queries per tile: one vector lane per query */
+#define KT 32      /* keys per tile */
+
+/* One work item: queries i0 .. i0 + nq - 1 of a chunk, the heads of kv head g. Scores are kept
+ * transposed, S[key][query] with the queries across vector lanes, so the online softmax runs
+ * lane-wise over keys (no horizontal max or sum), K rows are used as they lie in the cache (no
+ * transpose), and Q is transposed once per item. Up to 3 heads (3 vectors of 16 queries) share
+ * every K and V load. */
+INLINE void prefill_item(const int dt, const int HD, const float *q, float *out, const void *kc, const void *vc,
+                         const float *ks, const float *vs, const int64_t *table, int64_t ctx, int64_t q_len,
+                         int64_t i0, int nq, int g, int n_heads, int n_kv, int bs, float scale) {
+    const int group = n_heads / n_kv, C = HD / 16;
+    const int64_t row = (int64_t)n_kv * HD;
+    const int64_t first_pos = ctx - q_len + i0, end = first_pos + nq;   /* keys [0, end) are visible */
+    v16 lane;
+    for (int i = 0; i < 16; i++) lane[i] = (float)i;
+    float Qt[HD * 48] __attribute__((aligned(64)));       /* [e][head v * 16 + query] */
+    float O[48 * HD] __attribute__((aligned(64)));        /* [head v * 16 + query][e] */
+    float P[KT * 48] __attribute__((aligned(64)));        /* [key][head v * 16 + query] */
+    float tile[2 * KT * HD] __attribute__((aligned(64)));  /* widened K then V rows (bf16 / int8) */
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += 3) {
+        const int NV = (g + 1) * group - h0 < 3 ? (g + 1) * group - h0 : 3;
+        for (int v = 0; v < NV; v++)
+            for (int i = 0; i < QT; i++)
+                for (int e = 0; e < HD; e++)
+                    Qt[e * 48 + v * 16 + i] = i < nq ? q[((i0 + i) * n_heads + h0 + v) * HD + e] * scale : 0.f;
+        memset(O, 0, sizeof(float) * 48 * HD);
+        v16 m[3], l[3];
+        for (int v = 0; v < 3; v++) { m[v] = splat(-INFINITY); l[v] = splat(0.f); }
+        for (int64_t k0 = 0; k0 < end; k0 += KT) {
+            const int nk = (int)(end - k0 < KT ? end - k0 : KT);
+            int64_t slot[KT];
+            slots_of(table, bs, k0, nk, slot);
+            const float *kr[KT], *vr[KT];
+            for (int j = 0; j < nk; j++) {
+                const int64_t off = slot[j] * row + (int64_t)g * HD;
+                if (dt == KV_F32) { kr[j] = (const float *)kc + off; vr[j] = (const float *)vc + off; continue; }
+                const float a = dt == KV_I8 ? ks[slot[j] * n_kv + g] : 1.f, b = dt == KV_I8 ? vs[slot[j] * n_kv + g] : 1.f;
+                for (int c = 0; c < C; c++) {
+                    store_f32(tile + j * HD + 16 * c, load_kv(dt, kc, off + 16 * c) * a);
+                    store_f32(tile + (KT + j) * HD + 16 * c, load_kv(dt, vc, off + 16 * c) * b);
+                }
+                kr[j] = tile + j * HD;
+                vr[j] = tile + (KT + j) * HD;
+            }
+            for (int j = nk; j < KT; j++) kr[j] = vr[j] = kr[0];            /* masked below */
+            /* S[key][lanes] = sum_e K[key][e] * Qt[e][lanes]: 4 keys x NV vectors of accumulators */
+            for (int j0 = 0; j0 < KT; j0 += 4) {
+                v16 s[4][3];
+                for (int kk = 0; kk < 4; kk++) for (int v = 0; v < 3; v++) s[kk][v] = splat(0.f);
+                for (int e = 0; e < HD; e++) {
+                    const v16 q0 = load_f32(Qt + e * 48), q1 = load_f32(Qt + e * 48 + 16), q2 = load_f32(Qt + e * 48 + 32);
+                    for (int kk = 0; kk < 4; kk++) {
+                        const float kv = kr[j0 + kk][e];
+                        s[kk][0] += kv * q0;
+                        if (NV > 1) s[kk][1] += kv * q1;
+                        if (NV > 2) s[kk][2] += kv * q2;
+                    }
+                }
+                for (int kk = 0; kk < 4; kk++) {
+                    const int64_t t = k0 + j0 + kk;
+                    for (int v = 0; v < NV; v++) {
+                        v16 x = s[kk][v];
+                        if (j0 + kk >= nk) x = splat(-INFINITY);
+                        else if (t > first_pos) {                           /* causal: lane i sees t <= first_pos + i */
+                            const v16i hide = splat((float)(t - first_pos)) > lane;
+                            x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
+                        }
+                        store_f32(P + (j0 + kk) * 48 + 16 * v, x);
+                    }
+                }
+            }
+            /* online softmax, lane-wise */
+            for (int v = 0; v < NV; v++) {
+                v16 mx = m[v];
+                for (int j = 0; j < nk; j++) mx = vmax(mx, load_f32(P + j * 48 + 16 * v));
+                const v16 corr = vexp(m[v] - mx);                            /* exp(-inf) = 0 on the first tile */
+                m[v] = mx;
+                v16 sum = splat(0.f);
+                for (int j = 0; j < nk; j++) {
+                    const v16 pj = vexp(load_f32(P + j * 48 + 16 * v) - mx);
+                    sum += pj;
+                    store_f32(P + j * 48 + 16 * v, pj);
+                }
+                l[v] = l[v] * corr + sum;
+                for (int i = 0; i < QT; i++)
+                    if (corr[i] != 1.f) {
+                        float *o = O + (v * 16 + i) * HD;
+                        for (int c = 0; c < C; c++) store_f32(o + 16 * c, load_f32(o + 16 * c) * corr[i]);
+                    }
+            }
+            /* O[row] += sum_key P[key][row] V[key]: 2 rows x C vectors of accumulators */
+            for (int r = 0; r < NV * 16; r += 2) {
+                v16 a0[C], a1[C];
+                for (int c = 0; c < C; c++) { a0[c] = load_f32(O + r * HD + 16 * c); a1[c] = load_f32(O + (r + 1) * HD + 16 * c); }
+                for (int j = 0; j < nk; j++) {
+                    const float p0 = P[j * 48 + r], p1 = P[j * 48 + r + 1];
+                    for (int c = 0; c < C; c++) {
+                        const v16 vv = load_f32(vr[j] + 16 * c);
+                        a0[c] += p0 * vv;
+                        a1[c] += p1 * vv;
+                    }
+                }
+                for (int c = 0; c < C; c++) { store_f32(O + r * HD + 16 * c, a0[c]); store_f32(O + (r + 1) * HD + 16 * c, a1[c]); }
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int i = 0; i < nq; i++) {
+                float *dst = out + ((i0 + i) * n_heads + h0 + v) * HD;
+                const float inv = 1.f / l[v][i];
+                for (int e = 0; e < HD; e++) dst[e] = O[(v * 16 + i) * HD + e] * inv;
+            }
+    }
+}
+
+/* Prefill work items (chunk, first query of a 16-query tile, kv head); a chunk's last tiles see the
+ * most keys, so they are handed out first. */
+static int64_t (*plan_prefill(const int64_t *cu_q, int num_seqs, int n_kv, int *n_items))[3] {
+    int n = 0;
+    for (int p = 0; p < num_seqs; p++) n += (int)((cu_q[p + 1] - cu_q[p] + QT - 1) / QT) * n_kv;
+    int64_t (*items)[3] = malloc(sizeof(int64_t[3]) * (n ? n : 1));
+    int k = 0;
+    for (int p = 0; p < num_seqs; p++)
+        for (int64_t i0 = (cu_q[p + 1] - cu_q[p] - 1) / QT * QT; i0 >= 0; i0 -= QT)
+            for (int g = 0; g < n_kv; g++) { items[k][0] = p; items[k][1] = i0; items[k][2] = g; k++; }
+    *n_items = n;
+    return items;
+}
+
+/* ------------------------------------------------------------------ entry points, one per (format, hd) */
+
+/* The parallel loops live in these generated functions, not in an inline helper: OpenMP outlines a
+ * loop body before inlining, so DT and HD must be literals here for the body to be specialised. */
+#define DEFINE_KERNELS(NAME, DT, HD_)                                                                       \
+    static void decode_##NAME(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, \
+                              const int64_t *block_tables, const int64_t *context_lens, float *out, int num_seqs, \
+                              int n_heads, int n_kv, int hd, int bs, int max_blocks, float scale) {               \
+        const int HD = HD_ ? HD_ : hd;                                                                      \
+        plan_t pl = plan_decode(context_lens, num_seqs, n_heads, HD);                                       \
+        const int64_t state = (int64_t)n_heads * (HD + 2);                                                  \
+        _Pragma("omp parallel num_threads(pl.threads)") {                                                   \
+            float qs[n_heads * HD];                                                                         \
+            _Pragma("omp for schedule(dynamic, 1)")                                                         \
+            for (int i = 0; i < pl.n_items; i++) {                                                          \
+                const item_t it = pl.items[i];                                                              \
+                const float *qd = q + (int64_t)it.seq * n_heads * HD;                                       \
+                for (int e = 0; e < n_heads * HD; e++) qs[e] = qd[e] * scale;                               \
+                float *st = pl.part + state * i;                                                            \
+                decode_range(DT, HD_ ? HD_ : hd, qs, kc, vc, ks, vs, block_tables + (int64_t)it.seq * max_blocks, \
+                             it.t0, it.t1, n_heads, n_kv, bs, st, st + n_heads, st + 2 * n_heads);          \
+            }                                                                                               \
+        }                                                                                                   \
+        merge_decode(&pl, out, num_seqs, n_heads, HD);                                                      \
+        free_plan(&pl);                                                                                     \
+    }                                                                                                       \
+    static void prefill_##NAME(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, \
+                               const int64_t *block_tables, const int64_t *cu_q, const int64_t *context_lens,    \
+                               float *out, int num_seqs, int n_heads, int n_kv, int hd, int bs, int max_blocks, \
+                               float scale) {                                                               \
+        int n_items;                                                                                        \
+        int64_t (*items)[3] = plan_prefill(cu_q, num_seqs, n_kv, &n_items);                                \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(THREADS)")                               \
+        for (int i = 0; i < n_items; i++) {                                                                 \
+            const int p = (int)items[i][0], g = (int)items[i][2];                                           \
+            const int64_t i0 = items[i][1], q_len = cu_q[p + 1] - cu_q[p];                                  \
+            const int nq = (int)(q_len - i0 < QT ? q_len - i0 : QT);                                        \
+            prefill_item(DT, HD_ ? HD_ : hd, q + cu_q[p] * n_heads * hd, out + cu_q[p] * n_heads * hd, kc, vc, \
+                         ks, vs, block_tables + (int64_t)p * max_blocks, context_lens[p], q_len, i0, nq, g,   \
+                         n_heads, n_kv, bs, scale);                                                          \
+        }                                                                                                   \
+        free(items);                                                                                        \
+    }
+
+DEFINE_KERNELS(f32_64, KV_F32, 64)
+DEFINE_KERNELS(f32_128, KV_F32, 128)
+DEFINE_KERNELS(f32_any, KV_F32, 0)
+DEFINE_KERNELS(bf16_64, KV_BF16, 64)
+DEFINE_KERNELS(bf16_128, KV_BF16, 128)
+DEFINE_KERNELS(bf16_any, KV_BF16, 0)
+DEFINE_KERNELS(i8_64, KV_I8, 64)
+DEFINE_KERNELS(i8_128, KV_I8, 128)
+DEFINE_KERNELS(i8_any, KV_I8, 0)
+
+#define PICK(KIND, dt, hd)                                                                           \
+    (dt == KV_F32 ? (hd == 64 ? KIND##_f32_64 : hd == 128 ? KIND##_f32_128 : KIND##_f32_any)         \
+     : dt == KV_BF16 ? (hd == 64 ? KIND##_bf16_64 : hd == 128 ? KIND##_bf16_128 : KIND##_bf16_any)   \
+     : (hd == 64 ? KIND##_i8_64 : hd == 128 ? KIND##_i8_128 : KIND##_i8_any))
+
+/* q, out: (num_seqs, n_heads, head_dim) float32; head_dim a multiple of 16, at most 256 */
+void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                            const float *v_scale, int kv_dtype, const int64_t *block_tables,
+                            const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
+                            int head_dim, int block_size, int max_blocks, float scale) {
+    PICK(decode, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
+                                     num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale);
+}
+
+/* q, out: (cu_q[num_seqs], n_heads, head_dim) float32; chunk p owns rows cu_q[p]..cu_q[p+1]-1, the
+ * last q_len of its context_lens[p] positions (its K/V already written to the cache). */
+void paged_prefill_attention(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                             const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *cu_q,
+                             const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
+                             int head_dim, int block_size, int max_blocks, float scale) {
+    PICK(prefill, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_q, context_lens,
+                                      out, num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale);
+}
+
+/* the level this build was compiled for, so the loader can log it and tests can name it */
+const char *paged_attention_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "generic";
+#endif
 }

@@ -1,85 +1,142 @@
 """Paged attention: K/V live in fixed-size blocks of one preallocated pool; reads go through
 per-sequence block tables.
 
-Cache layout per layer: k_cache, v_cache of shape (num_blocks, block_size, n_kv, hd).
-Block 0 is the engine's reserved null block: block tables are padded with it, so a gather
-of a padded row reads harmless data that the mask hides.
+Cache layout per layer: k, v of shape (num_blocks, block_size, n_kv, hd) in the KV cache dtype:
+float32, bfloat16, or int8 with one float32 scale per token and kv head (k_scale, v_scale of
+shape (num_blocks, block_size, n_kv)). Block 0 is the engine's reserved null block: block tables
+are padded with it.
+
+On the CPU the C kernels (pagedserve.kernels) read the cache in place, every format natively:
+decode rows in one call per layer, every prefill chunk of the step in one more. Elsewhere (CUDA,
+no compiler, an unsupported head size) a torch path gathers each context and calls SDPA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import paged_decode_attention
+from pagedserve import kernels
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.int8}
 
 
-@dataclass(slots=True)
-class PrefillSeq:
-    """One sequence that computes q_len > 1 tokens (a prefill chunk) in this step."""
+def kv_scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of scale stored per token and kv head next to the K (and the V) row."""
+    return 4 if dtype == torch.int8 else 0
 
-    start: int                    # first row of this sequence in the flattened batch
-    end: int                      # one past its last row
-    context_len: int              # tokens in the cache after this step (cached prefix + chunk)
-    block_ids: torch.Tensor       # (n_blocks,) long: physical blocks holding positions 0..context_len-1
-    mask: torch.Tensor | None     # (q_len, context_len) bool, None when plain causal (no cached prefix)
+
+@dataclass(slots=True, frozen=True)
+class LayerKV:
+    """One layer's K/V blocks (views into the runner's pool)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None    # int8 only
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one flattened batch; built once per step, used by every layer.
 
-    Rows [0, num_decodes) are single decode tokens, one per sequence; prefill chunks follow.
+    Rows [0, num_decodes) are single decode tokens, one per sequence; prefill chunks follow, chunk p
+    in rows num_decodes + prefill_cu_q[p] .. num_decodes + prefill_cu_q[p + 1] - 1, the last rows of
+    its prefill_context_lens[p] positions (a cached prefix, then the chunk).
     """
 
-    slot_mapping: torch.Tensor                      # (T,) long: block_id * block_size + offset of each token's K/V
+    slot_mapping: torch.Tensor                          # (T,) long: block_id * block_size + offset of each token
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # (D, max_blocks) long, padded with the null block
-    decode_context_lens: torch.Tensor | None = None  # (D,) int32: keys each decode token attends to
-    decode_mask: torch.Tensor | None = None          # (D, 1, 1, max_blocks * block_size) bool: True = attend
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    decode_scratch: torch.Tensor | None = None       # set: decode attention by the C kernel (no gather copy)
+    decode_block_tables: torch.Tensor | None = None     # (D, max_blocks) long, padded with the null block
+    decode_context_lens: torch.Tensor | None = None     # (D,) long: keys each decode token attends to
+    prefill_block_tables: torch.Tensor | None = None    # (P, max_blocks) long
+    prefill_cu_q: torch.Tensor | None = None            # (P + 1,) long
+    prefill_context_lens: torch.Tensor | None = None    # (P,) long
+    native: bool = False                                 # the C kernels read the cache
+
+    @property
+    def num_prefills(self) -> int:
+        return 0 if self.prefill_context_lens is None else self.prefill_context_lens.shape[0]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(q_len, context_len) of each prefill chunk."""
+        if not self.num_prefills:
+            return []
+        q = (self.prefill_cu_q[1:] - self.prefill_cu_q[:-1]).tolist()
+        return list(zip(q, self.prefill_context_lens.tolist()))
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys/values (T, n_kv, hd) into their slots of the paged cache."""
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys/values (T, n_kv, hd) into their slots, in the cache's format."""
     n_kv, hd = k.shape[1], k.shape[2]
-    k_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
+    if kv.k.dtype == torch.int8:
+        for x, cache, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
+            x = x.float()
+            s = x.abs().amax(-1).clamp_min(1e-8) / 127.0                    # (T, n_kv): per token and head
+            qx = torch.round(x / s.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+            cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, qx)
+            scales.view(-1, n_kv).index_copy_(0, slot_mapping, s)
+        return
+    kv.k.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k.to(kv.k.dtype))
+    kv.v.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v.to(kv.v.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, n_heads, hd) -> (T, n_heads, hd), reading keys/values through the block tables."""
-    out = torch.empty_like(q)
     d = md.num_decodes
-    if d and md.decode_scratch is not None:
-        paged_decode_attention(q[:d].contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
-                               scale, out=out[:d], scores=md.decode_scratch)
-    elif d:
-        out[:d] = _decode_attention(q[:d], k_cache, v_cache, md, scale)
-    for p in md.prefills:
-        out[p.start:p.end] = _prefill_attention(q[p.start:p.end], k_cache, v_cache, p, scale)
+    if md.native:
+        q32 = q.float().contiguous()
+        out = torch.empty_like(q32)
+        if d:
+            decode_attention(q32[:d], kv, md, scale, out[:d])
+        if md.num_prefills:
+            prefill_attention(q32[d:], kv, md, scale, out[d:])
+        return out.to(q.dtype)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = decode_attention(q[:d], kv, md, scale)
+    if md.num_prefills:
+        out[d:] = prefill_attention(q[d:], kv, md, scale)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Fallback (no C compiler, or not fp32 on CPU): one batched gather of every decode row's context,
-    which copies each context; the kernel does not. (D, max_blocks, bs, n_kv, hd) -> (D, n_kv, S, hd)"""
-    k = k_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[md.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=md.decode_mask,
-                                       scale=scale, enable_gqa=True)   # (D, nh, 1, hd)
+def decode_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+    if md.native:
+        return kernels.paged_decode_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.decode_block_tables,
+                                              md.decode_context_lens, scale, out)
+    # torch path: one batched gather of every decode row's context (a copy; the kernel reads in place)
+    bt = md.decode_block_tables
+    k = _dequant(kv.k[bt], None if kv.k_scale is None else kv.k_scale[bt], q.dtype).flatten(1, 2).transpose(1, 2)
+    v = _dequant(kv.v[bt], None if kv.v_scale is None else kv.v_scale[bt], q.dtype).flatten(1, 2).transpose(1, 2)
+    mask = (torch.arange(k.shape[2], device=q.device)[None] < md.decode_context_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
 
-def _prefill_attention(q, k_cache, v_cache, p: PrefillSeq, scale: float) -> torch.Tensor:
-    n = p.context_len
-    k = k_cache[p.block_ids].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)   # (1, n_kv, n, hd)
-    v = v_cache[p.block_ids].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-    qh = q.transpose(0, 1).unsqueeze(0)                                         # (1, nh, q_len, hd)
-    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=p.mask, is_causal=p.mask is None,
-                                       scale=scale, enable_gqa=True)
-    return o.squeeze(0).transpose(0, 1)
+def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+    """All prefill chunks of the step; q holds their rows only."""
+    if md.native:
+        return kernels.paged_prefill_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.prefill_block_tables,
+                                               md.prefill_cu_q, md.prefill_context_lens, scale, out)
+    out = torch.empty_like(q)
+    bs = kv.k.shape[1]
+    cu = md.prefill_cu_q.tolist()
+    for p, (q_len, n) in enumerate(md.prefill_shapes()):
+        bt = md.prefill_block_tables[p, : -(-n // bs)]
+        k = _dequant(kv.k[bt], None if kv.k_scale is None else kv.k_scale[bt], q.dtype).flatten(0, 1)[:n]
+        v = _dequant(kv.v[bt], None if kv.v_scale is None else kv.v_scale[bt], q.dtype).flatten(0, 1)[:n]
+        qh = q[cu[p]:cu[p + 1]].transpose(0, 1).unsqueeze(0)                  # (1, nh, q_len, hd)
+        mask = None
+        if n > q_len:   # a cached prefix: query i sits at position n - q_len + i
+            pos = torch.arange(n - q_len, n, device=q.device)
+            mask = torch.arange(n, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
+        o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[cu[p]:cu[p + 1]] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _dequant(x: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if s is None else (x.float() * s.unsqueeze(-1)).to(dtype)

@@ -24,9 +24,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) x layers x kv heads x head dim x bytes: the seed's arithmetic."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """2 (K and V) x layers x kv heads x (head dim x bytes + a scale's bytes): the seed's arithmetic."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":

@@ -6,20 +6,23 @@ LM head. q/k/v and gate/up projections are fused into one matmul each: fewer, la
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T. For decode-sized batches (2..128 rows) MKL computes (w @ x.T).T up to 3x faster than
-    F.linear on this CPU (e.g. 3 rows x the 49152-row LM head: 10 ms vs 31 ms); one row and
-    prefill-sized batches are fastest through F.linear."""
-    if not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
+    """x @ w.T. With `transposed`, batches of 2..128 rows are computed as (w @ x.T).T: MKL runs that
+    up to 3x faster than F.linear on some CPUs (AMD EPYC: 3 rows x the 49152-row LM head, 10 ms vs
+    31 ms) and 2-3x slower on others (Intel Xeon with AVX-512), so LlamaForCausalLM.choose_gemm_form()
+    measures both on the model's own weights when it is loaded."""
+    if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
         return F.linear(x, w, b)
     y = (w @ x.t()).t().contiguous()
     return y if b is None else y + b
@@ -66,20 +69,21 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = nn.Parameter(torch.empty(h))
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.transposed = False        # small-batch GEMM form, see linear()
 
-    def forward(self, x, cos, sin, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias)
+    def forward(self, x, cos, sin, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+        T, tr = x.shape[0], self.transposed
+        qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias, tr)
         n_qk = self.n_heads + self.n_kv
         qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
         qk = qk * cos + _rotate_half(qk) * sin                  # RoPE on q and k at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
-        write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, md, 1.0 / math.sqrt(self.hd))
-        x = x + linear(o.reshape(T, -1), self.o_proj.weight)
-        gate, up = linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up_proj.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj.weight)
+        write_kv(kv, k, v, md.slot_mapping)
+        o = paged_attention(q, kv, md, 1.0 / math.sqrt(self.hd))
+        x = x + linear(o.reshape(T, -1), self.o_proj.weight, None, tr)
+        gate, up = linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj.weight, None, tr)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.transposed = False        # small-batch GEMM form of the LM head, see linear()
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]     # (T, hd/2)
@@ -106,15 +111,46 @@ class LlamaForCausalLM(nn.Module):
         dt = self.embed_tokens.weight.dtype
         return emb.cos().to(dt), emb.sin().to(dt)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                   # (T, hidden)
         cos, sin = self.rope(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, md)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, md)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, w).float()
+        return linear(h, w, None, self.transposed).float()
+
+    @torch.inference_mode()
+    def choose_gemm_form(self) -> str:
+        """Time F.linear against (w @ x.T).T on this model's MLP and LM-head weights at 8 and 64 rows
+        and keep the faster for batches of 2..128 rows (PAGEDSERVE_SMALL_M_GEMM=linear|transposed
+        decides instead). Returns the line logged at load."""
+        forced = os.environ.get("PAGEDSERVE_SMALL_M_GEMM")
+        if forced not in (None, "linear", "transposed"):
+            raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if head.device.type != "cpu":
+            return "small-batch GEMMs: F.linear (not on CPU)"
+        if forced:
+            use, why = forced == "transposed", "PAGEDSERVE_SMALL_M_GEMM"
+        else:
+            t = {False: 0.0, True: 0.0}
+            for w in (self.layers[0].gate_up_proj.weight, head):
+                for m in (8, 64):
+                    x = torch.randn(m, w.shape[1], dtype=w.dtype)
+                    for form in (False, True):
+                        linear(x, w, None, form)
+                        t0 = time.perf_counter()
+                        for _ in range(3):
+                            linear(x, w, None, form)
+                        t[form] += time.perf_counter() - t0
+            use = t[True] < 0.9 * t[False]
+            why = f"measured {1e3 * t[False]:.1f} ms F.linear vs {1e3 * t[True]:.1f} ms (w @ x.T).T"
+        self.transposed = use
+        for layer in self.layers:
+            layer.transposed = use
+        return f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, rope_inv_freq
+
+log = logging.getLogger("pagedserve")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -99,7 +102,9 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str) -> tuple[Llam
         model = LlamaForCausalLM(cfg)
     model.load_state_dict(_fuse(cfg, weights), assign=True, strict=True)
     model.inv_freq = rope_inv_freq(cfg)   # a non-persistent buffer: built on meta, made real here
-    return model.to(device).eval(), cfg
+    model = model.to(device).eval()
+    log.info("%s", model.choose_gemm_form())
+    return model, cfg
 
 
 def _fuse(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.core.step import SamplingRow, SchedulerOutput
-from pagedserve.kernels import decode_scratch, native_lib
-from pagedserve.model.attention import AttentionMetadata, PrefillSeq
+from pagedserve import kernels
+from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.runner.sampler import SampledToken, Sampler
 
@@ -25,83 +25,101 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        host_shape = (cfg.num_layers, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu")
+        self.kv_dtype = kv_cache_dtype or self.dtype
+        # the pool: K and V of every layer, (layers, 2, blocks, block_size, kv heads, head dim), and for
+        # int8 one float32 scale per token and kv head; the host swap tier has the same layout
+        self.kv_cache, self.kv_scales = self._alloc(num_blocks, self.device)
+        self.host_cache, self.host_scales = self._alloc(num_host_blocks, torch.device("cpu"))
+        self.kv_caches = [LayerKV(self.kv_cache[i, 0], self.kv_cache[i, 1],
+                                  *((self.kv_scales[i, 0], self.kv_scales[i, 1]) if self.kv_scales is not None else ()))
+                          for i in range(cfg.num_layers)]
         self.sampler = Sampler(seed)
-        self.use_native = self.device.type == "cpu" and self.dtype == torch.float32 and native_lib() is not None
+        self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
+                           and kernels.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+                           and kernels.native_lib() is not None)
+        if self.use_native:
+            kernels.set_threads(torch.get_num_threads())
+
+    def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg = self.model.cfg
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads)
+        data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device)
+        scales = torch.zeros(shape, dtype=torch.float32, device=device) if kv_scale_bytes(self.kv_dtype) else None
+        return data, scales
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
 
     # ------------------------------------------------------------ block copies
     def apply_block_ops(self, ops) -> None:
-        if ops.swap_out:
-            dev, host = zip(*ops.swap_out)
-            self.host_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)].to("cpu")
-        if ops.swap_in:
-            host, dev = zip(*ops.swap_in)
-            self.kv_cache[:, :, list(dev)] = self.host_cache[:, :, list(host)].to(self.device)
-        if ops.copy:
-            src, dst = zip(*ops.copy)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+        pairs = [(self.kv_cache, self.host_cache)]
+        if self.kv_scales is not None:
+            pairs.append((self.kv_scales, self.host_scales))
+        for dev_t, host_t in pairs:
+            if ops.swap_out:
+                dev, host = zip(*ops.swap_out)
+                host_t[:, :, list(host)] = dev_t[:, :, list(dev)].to("cpu")
+            if ops.swap_in:
+                host, dev = zip(*ops.swap_in)
+                dev_t[:, :, list(dev)] = host_t[:, :, list(host)].to(self.device)
+            if ops.copy:
+                src, dst = zip(*ops.copy)
+                dev_t[:, :, list(dst)] = dev_t[:, :, list(src)]
 
     # ------------------------------------------------------------ inputs
     def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                     list[SamplingRow]]:
+        """Decode rows first (the scheduler lists them first), then prefill chunks."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         dec_tables: list[tuple[int, ...]] = []
         dec_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
+        pre_tables: list[tuple[int, ...]] = []
+        pre_lens: list[int] = []
+        cu_q = [0]
         logit_rows: list[int] = []
         sample_rows: list[SamplingRow] = []
         for s in so.seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
+            blocks = s.block_ids
             if s.is_decode:
+                assert not pre_lens, "decode rows come before prefill chunks"
                 ids.append(s.token_ids[0])
                 pos.append(start)
-                slots.append(s.block_ids[start // bs] * bs + start % bs)
-                dec_tables.append(s.block_ids)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                dec_tables.append(blocks)
                 dec_lens.append(start + 1)
             else:
-                ids.extend(s.token_ids)
-                pos.extend(range(start, start + n))
                 ctx = start + n
-                bt = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.long)
-                p = torch.arange(start, ctx)
-                slots.extend((bt[p // bs] * bs + p % bs).tolist())
-                mask = None
-                if start:   # a cached prefix: query i sits at position start + i
-                    mask = torch.arange(ctx).unsqueeze(0) <= p.unsqueeze(1)
-                prefills.append(PrefillSeq(row0, row0 + n, ctx, bt, mask))
+                ids.extend(s.token_ids)
+                pos.extend(range(start, ctx))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
+                pre_tables.append(blocks[: -(-ctx // bs)])
+                pre_lens.append(ctx)
+                cu_q.append(cu_q[-1] + n)
             if s.sampling is not None:
                 k = s.sampling.num_samples
                 logit_rows.extend([row0 + n - 1] * k)
                 sample_rows.extend([s.sampling] * k)
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills,
-                               num_decodes=len(dec_lens))
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(dec_lens),
+                               native=self.use_native)
         if dec_lens:
-            width = max(len(t) for t in dec_tables)
-            md.decode_block_tables = torch.tensor([t + (0,) * (width - len(t)) for t in dec_tables], dtype=torch.long)
-            lens = torch.tensor(dec_lens, dtype=torch.long)
-            md.decode_context_lens = lens
-            if self.use_native:
-                md.decode_scratch = decode_scratch(len(dec_lens), self.model.cfg.num_heads, width, bs)
-            else:
-                md.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            md.decode_block_tables = _padded(dec_tables)
+            md.decode_context_lens = torch.tensor(dec_lens, dtype=torch.long)
+        if pre_lens:
+            md.prefill_block_tables = _padded(pre_tables)
+            md.prefill_cu_q = torch.tensor(cu_q, dtype=torch.long)
+            md.prefill_context_lens = torch.tensor(pre_lens, dtype=torch.long)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows)
 
     # ------------------------------------------------------------ the step
@@ -130,12 +148,16 @@ class ModelRunner:
         return out
 
 
+def _padded(tables: list[tuple[int, ...]]) -> torch.Tensor:
+    """Block tables as one (rows, widest) tensor, padded with the null block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + (0,) * (width - len(t)) for t in tables], dtype=torch.long)
+
+
 def _to_device(md: AttentionMetadata, dev) -> AttentionMetadata:
-    for name in ("slot_mapping", "decode_block_tables", "decode_context_lens", "decode_mask"):
+    for name in ("slot_mapping", "decode_block_tables", "decode_context_lens", "prefill_block_tables",
+                 "prefill_cu_q", "prefill_context_lens"):
         v = getattr(md, name)
         if v is not None:
             setattr(md, name, v.to(dev, non_blocking=True))
-    for p in md.prefills:
-        p.block_ids = p.block_ids.to(dev)
-        p.mask = None if p.mask is None else p.mask.to(dev)
     return md

@@ -33,7 +33,7 @@ def host_key() -> str:
 
 
 def cache_path(args: EngineArgs) -> str:
-    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.block_size}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.kv_cache_dtype}|{args.block_size}".encode()).hexdigest()[:16]
     d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, f"{key}.json")
@@ -73,7 +73,9 @@ def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, Mode
 
 def shape_of_engine(eng) -> ModelShape:
     b = DTYPE_BYTES.get(str(eng.runner.dtype).removeprefix("torch."), 4.0)
-    return ModelShape.from_model_config(eng.model_config, weight_bytes=b, kv_bytes=b)
+    c = eng.model_config
+    kv = eng.kv_cache_bytes_per_token / (2 * c.num_layers * c.num_kv_heads * c.head_dim)   # scales included
+    return ModelShape.from_model_config(c, weight_bytes=b, kv_bytes=kv)
 
 
 class StepTrace:

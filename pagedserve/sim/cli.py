@@ -3,15 +3,18 @@ this hardware, with this much KV memory? Runs the real scheduler on a cost model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
 from pagedserve.config import EngineArgs, parse_bytes
+from pagedserve.kv_plan import SCALE_BYTES
 from pagedserve.sim.cost_model import MODELS, PROFILES, ModelShape, RooflineCost
 from pagedserve.sim.simulator import (SimRequest, max_rate_meeting, num_blocks_for, parse_slo, poisson_workload,
                                       simulate, with_arrivals)
 
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "q4": 0.5625}
+DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "int8": 1.0,
+               "q4": 0.5625}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 
 
@@ -23,7 +26,8 @@ def add_simulate_flags(ap: argparse.ArgumentParser) -> None:
                        help="model shape (as kv-plan takes); overrides --model / --model-shape")
     g.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="bytes per weight (default: fp32 for cpu and calibrated, bf16 on GPUs)")
-    g.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: as --weight-dtype")
+    g.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="default: --kv-cache-dtype if set, else as --weight-dtype")
     g.add_argument("--hardware", default="cpu", help=f"{', '.join(PROFILES)} or calibrated (this machine, measured)")
     g.add_argument("--calibrate", action="store_true", help="measure this machine now (else a cached fit is used)")
     g.add_argument("--calibrate-from", default=None, help="fit to a step trace of `pagedserve serve --step-trace`")
@@ -55,7 +59,8 @@ def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
     args = engine_args_from(ns)
     gpu = ns.hardware in PROFILES and ns.hardware != "cpu"
     wdt = DTYPE_BYTES[ns.weight_dtype or ("bf16" if gpu else "fp32")]
-    kdt = DTYPE_BYTES[ns.kv_dtype] if ns.kv_dtype else wdt
+    kv_name = ns.kv_dtype or (args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None)
+    kdt = DTYPE_BYTES[kv_name] if kv_name else wdt
     given = {k: getattr(ns, k) for k in SHAPE_FLAGS if getattr(ns, k) is not None}
     if ns.model_shape or (given and ns.model is None):
         if ns.model_shape and ns.model_shape not in MODELS:
@@ -75,6 +80,8 @@ def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
             shape = ModelShape(**{k: given.get(k, getattr(shape, k)) for k in SHAPE_FLAGS},
                                weight_bytes_per_param=wdt, kv_bytes_per_value=kdt)
         max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+    if kv_name in SCALE_BYTES:       # int8 K/V carry a float32 scale per token and head
+        shape = dataclasses.replace(shape, kv_bytes_per_value=kdt + SCALE_BYTES[kv_name] / shape.head_dim)
     if ns.calibrate_from:
         from pagedserve.sim.calibrate import fit_trace
         cost = fit_trace(ns.calibrate_from, shape)

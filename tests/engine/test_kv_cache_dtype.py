@@ -1,0 +1,71 @@
+"""--kv-cache-dtype: the pool holds more tokens in the same memory, and greedy output stays close
+to float32 KV by the rule vLLM uses to compare backends (check_logprobs_close):
+
+    for each prompt, the greedy token lists are equal; or, at the first position where they
+    differ, each engine's token is among the other engine's top-5 logprobs there. Positions
+    after the first difference are not compared (the continuations legitimately diverge).
+"""
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+PROMPTS = CHAT_PROMPTS[:8]
+TOKENS = 64
+
+
+def _greedy(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], sp, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_logprobs_close(ref, other, name):
+    for k, ((ta, la), (tb, lb)) in enumerate(zip(ref, other)):
+        assert len(ta) == len(tb) == TOKENS
+        for i, (a, b) in enumerate(zip(ta, tb)):
+            if a != b:
+                assert a in lb[i], f"{name}, prompt {k}: float32's token {a} not in {name}'s top-5 at {i}"
+                assert b in la[i], f"{name}, prompt {k}: {name}'s token {b} not in float32's top-5 at {i}"
+                break
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(llm):
+    assert llm.engine.kv_cache_dtype_name == "float32"
+    return _greedy(llm)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_greedy_close_to_float32_kv(kv, fp32_greedy):
+    other = LLM(num_kv_blocks=1024, kv_cache_dtype=kv)
+    assert other.engine.runner.kv_cache.dtype.itemsize == (2 if kv == "bfloat16" else 1)
+    _assert_logprobs_close(fp32_greedy, _greedy(other), kv)
+
+
+def test_same_memory_admits_more_tokens():
+    """Bytes per token: 2 x layers x kv heads x (head_dim x dtype bytes + a float32 scale for int8)."""
+    blocks = {}
+    for kv in ("float32", "bfloat16", "int8"):
+        eng = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv).engine
+        c = eng.model_config
+        per_head = {"float32": 4 * c.head_dim, "bfloat16": 2 * c.head_dim, "int8": c.head_dim + 4}[kv]
+        assert eng.kv_cache_bytes_per_token == 2 * c.num_layers * c.num_kv_heads * per_head
+        assert eng.kv_cache_bytes == eng.kv.pool.num_blocks * eng.args.block_size * eng.kv_cache_bytes_per_token
+        assert eng.kv_cache_bytes <= 64 * 2**20
+        blocks[kv] = eng.kv.pool.num_blocks
+    assert blocks["bfloat16"] == pytest.approx(2 * blocks["float32"], abs=1)
+    assert blocks["int8"] == pytest.approx(4 * 64 / 68 * blocks["float32"], abs=2)
+
+
+def test_int8_scales_travel_with_swapped_blocks():
+    """Swap preemption moves K/V and their scales to host memory and back: greedy output equals an
+    unpressured run's."""
+    prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1040 + 40 * i))} for i in range(6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    roomy = LLM(num_kv_blocks=512, kv_cache_dtype="int8").generate(prompts, sp, use_tqdm=False)
+    tight = LLM(num_kv_blocks=24, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05)
+    got = tight.generate(prompts, sp, use_tqdm=False)
+    assert tight.engine.counters.preemptions > 0, "the pool was meant to be too small"
+    assert tight.engine.runner.host_scales.abs().sum() > 0, "preemptions were meant to swap, not recompute"
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in roomy]

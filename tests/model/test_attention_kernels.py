@@ -1,0 +1,143 @@
+"""The C attention kernels, every ISA level this host runs x every KV cache format, against a plain
+torch reference (SDPA over the dequantised, gathered context). Shapes cover: contexts shorter than,
+equal to and longer than a block; block sizes that are not 16; long contexts split over threads
+(flash-decoding's merge); prefill chunks after a cached prefix, one-row chunks, chunks longer than a
+query tile; head dims 32/64/128 and GQA groups of 1, 3 and 4."""
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import kernels
+from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
+
+LEVELS = kernels.host_levels()
+DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def _cache(nb, bs, nkv, hd, dt, g):
+    layer = LayerKV(torch.zeros(nb, bs, nkv, hd, dtype=dt), torch.zeros(nb, bs, nkv, hd, dtype=dt),
+                    *((torch.zeros(nb, bs, nkv), torch.zeros(nb, bs, nkv)) if dt == torch.int8 else ()))
+    k, v = torch.randn(nb * bs, nkv, hd, generator=g), torch.randn(nb * bs, nkv, hd, generator=g)
+    write_kv(layer, k, v, torch.arange(nb * bs))          # the engine's own write path quantises
+    return layer
+
+
+def _dequant(layer):
+    if layer.k_scale is None:
+        return layer.k.float(), layer.v.float()
+    return layer.k.float() * layer.k_scale[..., None], layer.v.float() * layer.v_scale[..., None]
+
+
+def _reference(q, layer, table, ctx, scale):
+    """q: (q_len, nh, hd), the last q_len of ctx positions; causal."""
+    kf, vf = _dequant(layer)
+    k = kf[table].flatten(0, 1)[:ctx].transpose(0, 1)
+    v = vf[table].flatten(0, 1)[:ctx].transpose(0, 1)
+    pos = torch.arange(ctx - q.shape[0], ctx)
+    mask = torch.arange(ctx)[None] <= pos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _tables(lens, bs, nb, g):
+    maxb = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(nb - 1, generator=g) + 1
+    bt, k = torch.zeros(len(lens), maxb, dtype=torch.long), 0
+    for i, n in enumerate(lens):
+        m = -(-n // bs)
+        bt[i, :m] = perm[k:k + m]
+        k += m
+    assert k <= nb - 1
+    return bt
+
+
+SHAPES = [  # (n_heads, n_kv, head_dim, block_size)
+    (9, 3, 64, 16), (4, 4, 32, 5), (8, 2, 128, 32)]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_decode_kernel_matches_reference(level, dt, shape):
+    lib = kernels.load(level)
+    assert lib is not None, f"gcc is part of the set-up; the {level} build must succeed"
+    nh, nkv, hd, bs = shape
+    g = torch.Generator().manual_seed(zlib.crc32(f"{level} {dt} {shape}".encode()))
+    lens = [1, bs - 1, bs, bs + 1, 100, 33, 3000]           # the 3000-token context is split and merged
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    q = torch.randn(len(lens), nh, hd, generator=g)
+    got = kernels.paged_decode_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt,
+                                         torch.tensor(lens), 0.2, lib=lib)
+    for i, n in enumerate(lens):
+        ref = _reference(q[i:i + 1], layer, bt[i], n, 0.2)[0]
+        assert (got[i] - ref).abs().max().item() < 2e-5, f"sequence {i} (context {n})"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prefill_kernel_matches_reference(level, dt, shape):
+    lib = kernels.load(level)
+    nh, nkv, hd, bs = shape
+    g = torch.Generator().manual_seed(zlib.crc32(f"prefill {level} {dt} {shape}".encode()))
+    chunks = [(40, 40), (37, 70), (1, 20), (300, 700), (17, 33), (16, 16)]   # (q_len, context incl. the chunk)
+    lens = [n for _, n in chunks]
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
+    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
+    got = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt, cu,
+                                          torch.tensor(lens), 0.2, lib=lib)
+    for p, (a, n) in enumerate(chunks):
+        ref = _reference(q[cu[p]:cu[p + 1]], layer, bt[p], n, 0.2)
+        assert (got[cu[p]:cu[p + 1]] - ref).abs().max().item() < 2e-5, f"chunk {p} ({a} of {n})"
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_native_and_torch_paths_agree_on_a_mixed_step(dt):
+    """paged_attention on one step of decodes + prefill chunks: the kernels and the torch path."""
+    nh, nkv, hd, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(5)
+    dec, pre = [5, 17, 200], [(30, 30), (20, 52)]
+    lens = dec + [n for _, n in pre]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    cu = torch.tensor([0, 30, 50])
+    common = dict(slot_mapping=None, num_decodes=3, decode_block_tables=bt[:3], decode_context_lens=torch.tensor(dec),
+                  prefill_block_tables=bt[3:], prefill_cu_q=cu, prefill_context_lens=torch.tensor([30, 52]))
+    q = torch.randn(3 + 50, nh, hd, generator=g)
+    a = paged_attention(q, layer, AttentionMetadata(**common, native=True), 0.125)
+    b = paged_attention(q, layer, AttentionMetadata(**common, native=False), 0.125)
+    assert (a - b).abs().max().item() < 2e-5
+
+
+def test_int8_write_is_per_token_and_head():
+    """Each (token, kv head) row gets its own scale: max |x| / 127, so the row's extreme maps to +-127."""
+    layer = _cache(3, 4, 2, 16, torch.int8, torch.Generator().manual_seed(0))
+    k = torch.randn(2, 2, 16) * torch.tensor([[1.0], [100.0]])
+    write_kv(layer, k, k, torch.tensor([5, 6]))
+    s = layer.k_scale.view(-1, 2)[5:7]
+    assert torch.allclose(s, k.abs().amax(-1) / 127)
+    assert layer.k.view(-1, 2, 16)[5:7].abs().amax(-1).eq(127).all()
+    assert (layer.k.view(-1, 2, 16)[5:7].float() * s[..., None] - k).abs().max() <= s.max() / 2 + 1e-6
+
+
+def test_every_build_is_keyed_by_the_host(monkeypatch):
+    """Each level's build is its own file, and its cache key changes with the host's CPU flags."""
+    import os
+    cc = kernels._compiler()
+    for level in LEVELS:
+        lib = kernels.load(level)
+        assert os.path.basename(lib._name).startswith(f"paged_attention-{level}-")
+        assert lib.paged_attention_isa().decode() == level
+        assert kernels.build_path(level, cc)[0] == lib._name
+    here = kernels.build_path("generic", cc)[0]
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    assert kernels.build_path("generic", cc)[0] != here
