@@ -26,15 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def cpu_name_and_flags() -> tuple[str, list[str]]:
-    name, flags = "unknown", []
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
+    from pagedserve.host import cpu_info
+    name, flags = cpu_info()
     keep = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
             "amx_tile", "amx_bf16", "amx_int8")
     return name, [f for f in keep if f in flags]

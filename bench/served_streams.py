@@ -3,6 +3,7 @@ streaming one request after another (mixed16 prompts, max_tokens capped), for a 
 requests. Prints output tok/s and ITL p50 over HTTP; run it on two builds to compare.
 
 Usage: python bench/served_streams.py [--concurrency 16] [--requests 48] [--max-tokens 64]
+       [--pythonpath OLD_CHECKOUT] [--serve-args "--kv-cache-dtype int8"]
 """
 import argparse
 import asyncio
@@ -45,10 +46,11 @@ def main():
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pythonpath", default=None, help="serve the pagedserve found here (e.g. a worktree of an older commit)")
+    ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags, e.g. '--kv-cache-dtype int8'")
     a = ap.parse_args()
     reqs = (load_workload("mixed64") * 2)[: a.requests]
     env = None if a.pythonpath is None else os.environ | {"PYTHONPATH": a.pythonpath}
-    srv, base = serve(["--num-kv-blocks", "4096", "--no-enable-prefix-caching"], env)
+    srv, base = serve(["--num-kv-blocks", "4096", "--no-enable-prefix-caching", *a.serve_args.split()], env)
     try:
         with httpx.Client(timeout=120) as c:
             c.post(base + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4})
@@ -64,7 +66,8 @@ def main():
         srv.terminate()
         srv.wait(timeout=30)
     itl = sorted(stats["itl"])
-    print("RESULT " + json.dumps({"concurrency": a.concurrency, "requests": a.requests, "wall_s": round(wall, 1),
+    print("RESULT " + json.dumps({"concurrency": a.concurrency, "requests": a.requests, "serve_args": a.serve_args,
+                                  "pythonpath": a.pythonpath, "wall_s": round(wall, 1),
                                   "output_tok_s": round(stats["tokens"] / wall, 2),
                                   "itl_p50_ms": round(1000 * itl[len(itl) // 2], 1)}))
 

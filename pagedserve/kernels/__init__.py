@@ -20,6 +20,8 @@ import tempfile
 
 import torch
 
+from pagedserve.host import cpu_info
+
 log = logging.getLogger("pagedserve")
 _SRC = os.path.join(os.path.dirname(__file__), "paged_attention.c")
 
@@ -35,14 +37,7 @@ _default: str | None = None          # the level load() gives when none is named
 
 
 def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return cpu_info()[1]
 
 
 def host_levels() -> list[str]:

@@ -180,6 +180,29 @@ INLINE void slots_of(const int64_t *table, int bs, int64_t t0, int n, int64_t *s
 
 /* One work item: sequence rows q (n_heads x hd, already multiplied by the softmax scale), keys
  * [t0, t1) of its context. Leaves the unnormalised state: m (running max), l (sum), acc (n_heads x hd). */
+/* Ask for kv head g's share of the rows at slot[0..n): decode uses it PREFETCH_KEYS ahead, where
+ * the next block sits elsewhere in memory and the hardware prefetcher cannot follow. */
+INLINE void prefetch_rows(int dt, int HD, const void *cache, const int64_t *slot, int n, int g, int n_kv) {
+    const int64_t row = (int64_t)n_kv * HD;
+    for (int j = 0; j < n; j++)
+        for (int b = 0; b < HD * KV_BYTES(dt); b += 64)
+            __builtin_prefetch((const char *)cache + (slot[j] * row + (int64_t)g * HD) * KV_BYTES(dt) + b);
+}
+
+/* Row pointers of kv head g for the keys at slot[0..n): float32 rows where they lie; bf16 and int8
+ * rows widened (int8: times its scale) into tile, n x HD floats, once per tile. */
+INLINE void head_rows(int dt, int HD, const void *cache, const float *scales, const int64_t *slot, int n, int g,
+                      int n_kv, float *tile, const float **rows) {
+    const int64_t row = (int64_t)n_kv * HD;
+    for (int j = 0; j < n; j++) {
+        const int64_t off = slot[j] * row + (int64_t)g * HD;
+        if (dt == KV_F32) { rows[j] = (const float *)cache + off; continue; }
+        const float s = dt == KV_I8 ? scales[slot[j] * n_kv + g] : 1.f;
+        for (int c = 0; c < HD / 16; c++) store_f32(tile + j * HD + 16 * c, load_kv(dt, cache, off + 16 * c) * s);
+        rows[j] = tile + j * HD;
+    }
+}
+
 #define DT_KEYS 32      /* decode keys per tile: two vectors of scores per head, one softmax update */
 
 INLINE void decode_range(const int dt, const int HD, const float *q, const void *kc, const void *vc,
@@ -202,17 +225,9 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
         int64_t pslot[DT_KEYS];
         slots_of(table, bs, p0, np, pslot);
         for (int g = 0; g < n_kv; g++) {                  /* scores: each K row serves the whole group */
-            for (int j = 0; j < np; j++)
-                for (int b = 0; b < HD * KV_BYTES(dt); b += 64)
-                    __builtin_prefetch((const char *)kc + (pslot[j] * row + (int64_t)g * HD) * KV_BYTES(dt) + b);
+            prefetch_rows(dt, HD, kc, pslot, np, g, n_kv);
             const float *kr[DT_KEYS];
-            for (int j = 0; j < nk; j++) {
-                const int64_t off = slot[j] * row + (int64_t)g * HD;
-                if (dt == KV_F32) { kr[j] = (const float *)kc + off; continue; }
-                const float s = dt == KV_I8 ? ks[slot[j] * n_kv + g] : 1.f;
-                for (int c = 0; c < C; c++) store_f32(tile + j * HD + 16 * c, load_kv(dt, kc, off + 16 * c) * s);
-                kr[j] = tile + j * HD;
-            }
+            head_rows(dt, HD, kc, ks, slot, nk, g, n_kv, tile, kr);
             for (int hh = 0; hh < group; hh++) {
                 const int h = g * group + hh;
                 v16 qv[C];
@@ -247,17 +262,9 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
             store_f32(sc + h * DT_KEYS + 16, p1v);
         }
         for (int g = 0; g < n_kv; g++) {                  /* acc += p V: up to 3 heads per V load */
-            for (int j = 0; j < np; j++)
-                for (int b = 0; b < HD * KV_BYTES(dt); b += 64)
-                    __builtin_prefetch((const char *)vc + (pslot[j] * row + (int64_t)g * HD) * KV_BYTES(dt) + b);
+            prefetch_rows(dt, HD, vc, pslot, np, g, n_kv);
             const float *vr[DT_KEYS];
-            for (int j = 0; j < nk; j++) {
-                const int64_t off = slot[j] * row + (int64_t)g * HD;
-                if (dt == KV_F32) { vr[j] = (const float *)vc + off; continue; }
-                const float s = dt == KV_I8 ? vs[slot[j] * n_kv + g] : 1.f;
-                for (int c = 0; c < C; c++) store_f32(tile + j * HD + 16 * c, load_kv(dt, vc, off + 16 * c) * s);
-                vr[j] = tile + j * HD;
-            }
+            head_rows(dt, HD, vc, vs, slot, nk, g, n_kv, tile, vr);
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += 3) {
                 const int nh = (g + 1) * group - h0 < 3 ? (g + 1) * group - h0 : 3;
                 v16 o0[C], o1[C], o2[C];
@@ -378,17 +385,8 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
             int64_t slot[KT];
             slots_of(table, bs, k0, nk, slot);
             const float *kr[KT], *vr[KT];
-            for (int j = 0; j < nk; j++) {
-                const int64_t off = slot[j] * row + (int64_t)g * HD;
-                if (dt == KV_F32) { kr[j] = (const float *)kc + off; vr[j] = (const float *)vc + off; continue; }
-                const float a = dt == KV_I8 ? ks[slot[j] * n_kv + g] : 1.f, b = dt == KV_I8 ? vs[slot[j] * n_kv + g] : 1.f;
-                for (int c = 0; c < C; c++) {
-                    store_f32(tile + j * HD + 16 * c, load_kv(dt, kc, off + 16 * c) * a);
-                    store_f32(tile + (KT + j) * HD + 16 * c, load_kv(dt, vc, off + 16 * c) * b);
-                }
-                kr[j] = tile + j * HD;
-                vr[j] = tile + (KT + j) * HD;
-            }
+            head_rows(dt, HD, kc, ks, slot, nk, g, n_kv, tile, kr);
+            head_rows(dt, HD, vc, vs, slot, nk, g, n_kv, tile + KT * HD, vr);
             for (int j = nk; j < KT; j++) kr[j] = vr[j] = kr[0];            /* masked below */
             /* S[key][lanes] = sum_e K[key][e] * Qt[e][lanes]: 4 keys x NV vectors of accumulators */
             for (int j0 = 0; j0 < KT; j0 += 4) {

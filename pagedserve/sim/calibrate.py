@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
+from pagedserve.host import cpu_info
 from pagedserve.sim.cost_model import FittedCost, ModelShape, fit, step_features
 from pagedserve.sim.simulator import SimRequest, poisson_workload
 
@@ -19,17 +20,8 @@ DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 
 def host_key() -> str:
     """CPU model and flags: fits are not portable between hosts of one machine kind."""
-    model, flags = "unknown", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model} [{hashlib.sha1(flags.encode()).hexdigest()[:8]}, {os.cpu_count()} cpus]"
+    model, flags = cpu_info()
+    return f"{model} [{hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}, {os.cpu_count()} cpus]"
 
 
 def cache_path(args: EngineArgs) -> str:

@@ -41,7 +41,10 @@ def test_mixed_batch_equals_each_sequence_alone(default_model):
     row = 0
     for i in order:
         k = alone[i].shape[0]
-        assert (mixed[row:row + k] - alone[i]).abs().max().item() < 1e-4, f"sequence {i}"
+        # fp32 GEMMs round differently at different row counts (MKL picks kernels by shape), which
+        # moves logits of magnitude ~20 by up to ~3e-3 after 30 layers; a wrong block moves them by O(1)
+        assert (mixed[row:row + k] - alone[i]).abs().max().item() < 1e-2, f"sequence {i}"
+        assert torch.equal(mixed[row:row + k].argmax(-1), alone[i].argmax(-1)), f"sequence {i}"
         row += k
 
 
