@@ -37,8 +37,6 @@ void paged_attention_set_threads(int n) { g_threads = n > 0 ? n : 0; }
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef int8_t v16b __attribute__((vector_size(16)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
@@ -209,7 +207,6 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
                          const float *ks, const float *vs, const int64_t *table, int64_t t0, int64_t t1,
                          int n_heads, int n_kv, int bs, float *m, float *l, float *acc) {
     const int group = n_heads / n_kv, C = HD / 16;
-    const int64_t row = (int64_t)n_kv * HD;
     float sc[n_heads * DT_KEYS] __attribute__((aligned(64)));
     float tile[DT_KEYS * HD] __attribute__((aligned(64)));     /* bf16 / int8 rows widened (and scaled) once */
     for (int h = 0; h < n_heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }
@@ -363,7 +360,6 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
                          const float *ks, const float *vs, const int64_t *table, int64_t ctx, int64_t q_len,
                          int64_t i0, int nq, int g, int n_heads, int n_kv, int bs, float scale) {
     const int group = n_heads / n_kv, C = HD / 16;
-    const int64_t row = (int64_t)n_kv * HD;
     const int64_t first_pos = ctx - q_len + i0, end = first_pos + nq;   /* keys [0, end) are visible */
     v16 lane;
     for (int i = 0; i < 16; i++) lane[i] = (float)i;
