@@ -1,10 +1,11 @@
-"""Greedy generation with a smaller KV cache against float32 KV, compared the way vLLM compares
+"""Greedy generation with a smaller KV cache (or bf16 weights) against float32, compared the way vLLM compares
 backends (`check_logprobs_close`): the token lists are equal, or at the first position where they
 differ each engine's token is among the other's top-5 logprobs (the rest is not compared).
 Reports, per KV dtype, the first-difference position of each prompt and the mean absolute
 difference of the chosen tokens' logprobs over the positions before it.
 
-Usage: python bench/kv_accuracy.py [--tokens 64] [--kv-dtypes bfloat16,int8]
+Usage: python bench/kv_accuracy.py [--tokens 64] [--kv-dtypes bfloat16,int8] [--dtype bfloat16]
+       (--dtype: the weights' dtype of the compared runs; the reference is float32 weights and KV)
 """
 import argparse
 import json
@@ -21,9 +22,9 @@ PROMPTS = [
 ]
 
 
-def generate(kv_cache_dtype: str, tokens: int):
+def generate(kv_cache_dtype: str, tokens: int, dtype: str = "float32"):
     from pagedserve import LLM, SamplingParams
-    llm = LLM(num_kv_blocks=1024, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(num_kv_blocks=1024, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                     SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=5), use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -48,12 +49,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-dtypes", default="bfloat16,int8")
+    ap.add_argument("--dtype", default="float32", help="weights of the compared runs")
     a = ap.parse_args()
     ref = generate("float32", a.tokens)
     for kd in a.kv_dtypes.split(","):
-        rows = [compare(r, o) for r, o in zip(ref, generate(kd, a.tokens))]
+        rows = [compare(r, o) for r, o in zip(ref, generate(kd, a.tokens, a.dtype))]
         print("RESULT " + json.dumps({
-            "kv_cache_dtype": kd, "prompts": len(rows), "tokens": a.tokens, "all_close": all(r["ok"] for r in rows),
+            "dtype": a.dtype, "kv_cache_dtype": kd, "prompts": len(rows), "tokens": a.tokens, "all_close": all(r["ok"] for r in rows),
             "identical": sum(r["first_difference"] is None for r in rows),
             "first_differences": [r["first_difference"] for r in rows],
             "mean_abs_logprob_diff": round(sum(r["mean_abs_logprob_diff"] for r in rows) / len(rows), 5)}))

@@ -1,5 +1,6 @@
 """--kv-cache-dtype: the pool holds more tokens in the same memory, and greedy output stays close
-to float32 KV by the rule vLLM uses to compare backends (check_logprobs_close):
+to float32 KV by the rule vLLM uses to compare backends (check_logprobs_close); so does
+--dtype bfloat16 (bf16 weights, and KV following them) against float32 weights:
 
     for each prompt, the greedy token lists are equal; or, at the first position where they
     differ, each engine's token is among the other engine's top-5 logprobs there. Positions
@@ -36,11 +37,11 @@ def fp32_greedy(llm):
     return _greedy(llm)
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
-def test_greedy_close_to_float32_kv(kv, fp32_greedy):
-    other = LLM(num_kv_blocks=1024, kv_cache_dtype=kv)
-    assert other.engine.runner.kv_cache.dtype.itemsize == (2 if kv == "bfloat16" else 1)
-    _assert_logprobs_close(fp32_greedy, _greedy(other), kv)
+@pytest.mark.parametrize("dtype,kv", [("float32", "bfloat16"), ("float32", "int8"), ("bfloat16", "auto")])
+def test_greedy_close_to_float32(dtype, kv, fp32_greedy):
+    other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv)
+    assert other.engine.runner.kv_cache.dtype.itemsize == (1 if kv == "int8" else 2)
+    _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv}")
 
 
 def test_same_memory_admits_more_tokens():
