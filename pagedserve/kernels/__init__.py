@@ -57,7 +57,8 @@ def build_path(level: str, cc: str) -> tuple[str, list[str]]:
              "-Wno-psabi"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     host = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256(open(_SRC, "rb").read() + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
+    with open(_SRC, "rb") as f:
+        key = hashlib.sha256(f.read() + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
     root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
     return os.path.join(root, "kernels", f"paged_attention-{level}-{key}.so"), flags
 
@@ -95,22 +96,25 @@ def _build(level: str) -> ctypes.CDLL | None:
 def load(level: str | None = None) -> ctypes.CDLL | None:
     """The kernels built for `level` (default: PAGEDSERVE_KERNEL_ISA, else the host's best level)."""
     global _default
-    if level is None:
-        if _default is None:
-            _default = os.environ.get("PAGEDSERVE_KERNEL_ISA") or host_levels()[0]
-            if _default not in LEVELS:
-                bad, _default = _default, None
-                raise ValueError(f"PAGEDSERVE_KERNEL_ISA must be one of {list(LEVELS)}, got {bad!r}")
-        level = _default
-    if level not in _libs:
+    if level is None and _default is not None:
+        return _libs[_default]
+    name = level or os.environ.get("PAGEDSERVE_KERNEL_ISA") or host_levels()[0]
+    if name not in host_levels():
+        raise ValueError(f"PAGEDSERVE_KERNEL_ISA / level {name!r}: this CPU runs {host_levels()} "
+                         f"(of {list(LEVELS)})")
+    if name not in _libs:
         lib = None
         if os.environ.get("PAGEDSERVE_ATTENTION", "native") != "torch":
             try:
-                lib = _build(level)
+                lib = _build(name)
             except OSError as e:
-                log.warning("cannot load the %s attention kernels (%s): using the torch path", level, e)
-        _libs[level] = lib
-    return _libs[level]
+                log.warning("cannot load the %s attention kernels (%s): using the torch path", name, e)
+        _libs[name] = lib
+    if level is None:
+        _default = name
+        if _libs[name] is not None:
+            log.info("attention kernels: %s build (%s)", name, os.path.basename(_libs[name]._name))
+    return _libs[name]
 
 
 def native_lib() -> ctypes.CDLL | None:

@@ -141,3 +141,11 @@ def test_every_build_is_keyed_by_the_host(monkeypatch):
     here = kernels.build_path("generic", cc)[0]
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
     assert kernels.build_path("generic", cc)[0] != here
+
+
+def test_a_level_the_cpu_cannot_run_is_refused(monkeypatch):
+    """Forcing AVX-512 code onto an AVX2 host would die with SIGILL; it is a ValueError naming the knob."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c", "bmi2"}))
+    assert kernels.host_levels() == ["avx2", "generic"]
+    with pytest.raises(ValueError, match="PAGEDSERVE_KERNEL_ISA"):
+        kernels.load("avx512")
