@@ -350,6 +350,9 @@ static void free_plan(plan_t *pl) { free(pl->part); free(pl->items); free(pl->fi
 
 #define QT 16      /* queries per tile: one vector lane per query */
 #define KT 32      /* keys per tile */
+#ifndef QK_KEYS
+#define QK_KEYS 8  /* keys per block of score accumulators (x 3 heads' vectors) */
+#endif
 
 /* One work item: queries i0 .. i0 + nq - 1 of a chunk, the heads of kv head g. Scores are kept
  * transposed, S[key][query] with the queries across vector lanes, so the online softmax runs
@@ -384,20 +387,20 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
             head_rows(dt, HD, kc, ks, slot, nk, g, n_kv, tile, kr);
             head_rows(dt, HD, vc, vs, slot, nk, g, n_kv, tile + KT * HD, vr);
             for (int j = nk; j < KT; j++) kr[j] = vr[j] = kr[0];            /* masked below */
-            /* S[key][lanes] = sum_e K[key][e] * Qt[e][lanes]: 4 keys x NV vectors of accumulators */
-            for (int j0 = 0; j0 < KT; j0 += 4) {
-                v16 s[4][3];
-                for (int kk = 0; kk < 4; kk++) for (int v = 0; v < 3; v++) s[kk][v] = splat(0.f);
+            /* S[key][lanes] = sum_e K[key][e] * Qt[e][lanes]: QK_KEYS keys x NV vectors of accumulators */
+            for (int j0 = 0; j0 < KT; j0 += QK_KEYS) {
+                v16 s[QK_KEYS][3];
+                for (int kk = 0; kk < QK_KEYS; kk++) for (int v = 0; v < 3; v++) s[kk][v] = splat(0.f);
                 for (int e = 0; e < HD; e++) {
                     const v16 q0 = load_f32(Qt + e * 48), q1 = load_f32(Qt + e * 48 + 16), q2 = load_f32(Qt + e * 48 + 32);
-                    for (int kk = 0; kk < 4; kk++) {
+                    for (int kk = 0; kk < QK_KEYS; kk++) {
                         const float kv = kr[j0 + kk][e];
                         s[kk][0] += kv * q0;
                         if (NV > 1) s[kk][1] += kv * q1;
                         if (NV > 2) s[kk][2] += kv * q2;
                     }
                 }
-                for (int kk = 0; kk < 4; kk++) {
+                for (int kk = 0; kk < QK_KEYS; kk++) {
                     const int64_t t = k0 + j0 + kk;
                     for (int v = 0; v < NV; v++) {
                         v16 x = s[kk][v];
@@ -429,19 +432,27 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
                         for (int c = 0; c < C; c++) store_f32(o + 16 * c, load_f32(o + 16 * c) * corr[i]);
                     }
             }
-            /* O[row] += sum_key P[key][row] V[key]: 2 rows x C vectors of accumulators */
-            for (int r = 0; r < NV * 16; r += 2) {
-                v16 a0[C], a1[C];
-                for (int c = 0; c < C; c++) { a0[c] = load_f32(O + r * HD + 16 * c); a1[c] = load_f32(O + (r + 1) * HD + 16 * c); }
+            /* O[row] += sum_key P[key][row] V[key]: 4 rows x C vectors of accumulators (48 rows = 12 x 4) */
+            for (int r = 0; r < NV * 16; r += 4) {
+                v16 a0[C], a1[C], a2[C], a3[C];
+                for (int c = 0; c < C; c++) {
+                    a0[c] = load_f32(O + r * HD + 16 * c); a1[c] = load_f32(O + (r + 1) * HD + 16 * c);
+                    a2[c] = load_f32(O + (r + 2) * HD + 16 * c); a3[c] = load_f32(O + (r + 3) * HD + 16 * c);
+                }
                 for (int j = 0; j < nk; j++) {
-                    const float p0 = P[j * 48 + r], p1 = P[j * 48 + r + 1];
+                    const float *pj = P + j * 48 + r;
                     for (int c = 0; c < C; c++) {
                         const v16 vv = load_f32(vr[j] + 16 * c);
-                        a0[c] += p0 * vv;
-                        a1[c] += p1 * vv;
+                        a0[c] += pj[0] * vv;
+                        a1[c] += pj[1] * vv;
+                        a2[c] += pj[2] * vv;
+                        a3[c] += pj[3] * vv;
                     }
                 }
-                for (int c = 0; c < C; c++) { store_f32(O + r * HD + 16 * c, a0[c]); store_f32(O + (r + 1) * HD + 16 * c, a1[c]); }
+                for (int c = 0; c < C; c++) {
+                    store_f32(O + r * HD + 16 * c, a0[c]); store_f32(O + (r + 1) * HD + 16 * c, a1[c]);
+                    store_f32(O + (r + 2) * HD + 16 * c, a2[c]); store_f32(O + (r + 3) * HD + 16 * c, a3[c]);
+                }
             }
         }
         for (int v = 0; v < NV; v++)
