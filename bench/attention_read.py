@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--min-mib", type=int, default=1536, help="K/V visited per round, in MiB (> the L3)")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
-    assert kernels.native_lib() is not None, "no C compiler: the kernel could not be built"
+    assert kernels.load() is not None, "no C compiler: the kernel could not be built"
     bw0 = read_bandwidth_gb_s(torch)
     g = torch.Generator().manual_seed(1)
     cases = [(64, 613, None), (4, None, 4000)] if a.targets else [(a.seqs, a.mean_ctx, a.ctx)]

@@ -8,7 +8,8 @@ client, or (hostile) got a 400; that no answer says "abort" or "error" unless th
 it; no 5xx; nothing hung; afterwards nothing runs or waits, every KV block is free or cached, and
 the server is healthy. Exit status 1 if any of that fails.
 
-Usage: python bench/soak.py [--requests 1000] [--concurrency 16] [--num-kv-blocks 48] [--preemption-mode swap] [--url URL]
+Usage: python bench/soak.py [--requests 1000] [--concurrency 16] [--num-kv-blocks 48] [--preemption-mode swap]
+       [--kv-cache-dtype int8] [--url URL]
 """
 from __future__ import annotations
 
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--num-kv-blocks", type=int, default=48)
     ap.add_argument("--preemption-mode", default="recompute")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the server's KV cache format (int8: scales swap too)")
     ap.add_argument("--hang-s", type=float, default=150.0, help="a request with no answer after this is 'hung'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--url", default=None, help="soak a running server instead of starting one")
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
         base = a.url.rstrip("/")
     else:
         srv, base = serve(["--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
-                           "--preemption-mode", a.preemption_mode, "--swap-space", "0.05"])
+                           "--preemption-mode", a.preemption_mode, "--swap-space", "0.05",
+                           "--kv-cache-dtype", a.kv_cache_dtype])
     try:
         rss0 = rss_bytes(srv.pid) if srv else None
         run = asyncio.run(soak(base, a))

@@ -47,7 +47,7 @@ class LLMEngine:
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
         self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))
-        num_blocks = self._size_kv_pool()
+        num_blocks = self._size_kv_pool(kv_dtype)
         bytes_per_block = self.kv_cache_bytes_per_token * args.block_size
         num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
@@ -73,11 +73,11 @@ class LLMEngine:
         gather = a.max_num_seqs * self.max_model_len * c.num_kv_heads * c.head_dim * 2
         return act * (torch.finfo(dtype).bits // 8) + logits + gather * (torch.finfo(dtype).bits // 8)
 
-    def _size_kv_pool(self) -> int:
+    def _size_kv_pool(self, kv_dtype: torch.dtype) -> int:
         a = self.args
         per_block = self.kv_cache_bytes_per_token * a.block_size
-        kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head" if "int8" in
-                                                  self.kv_cache_dtype_name else "")
+        kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head"
+                                                  if kv_scale_bytes(kv_dtype) else "")
         if a.num_kv_blocks is not None:
             log.info("memory plan: weights %.2f GiB | %s | KV pool %.2f GiB = num_kv_blocks %d x %d tokens at %d "
                      "bytes/token", self.weights_bytes / GiB, kv, a.num_kv_blocks * per_block / GiB, a.num_kv_blocks,

@@ -117,10 +117,6 @@ def load(level: str | None = None) -> ctypes.CDLL | None:
     return _libs[name]
 
 
-def native_lib() -> ctypes.CDLL | None:
-    return load()
-
-
 def set_threads(n: int) -> None:
     for lib in _libs.values():
         if lib is not None:

@@ -42,7 +42,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
                            and kernels.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-                           and kernels.native_lib() is not None)
+                           and kernels.load() is not None)
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
 

@@ -73,8 +73,8 @@ class Sampler:
                 seen = seen[seen < V]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            output = r.history[r.num_prompt_tokens:]
-            if (p.presence_penalty or p.frequency_penalty) and output:
+            if (p.presence_penalty or p.frequency_penalty) and len(r.history) > r.num_prompt_tokens:
+                output = r.history[r.num_prompt_tokens:]
                 counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V)[:V].float()
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         for i in need_min:   # min_tokens: EOS and stop tokens are not allowed yet
