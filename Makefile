@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve chat test bench clean
+.PHONY: setup serve chat test bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ test: setup
 
 bench: setup
 	$(PY) bench/throughput.py --workload mixed64
+
+# llama.cpp for bench/single_decode.py (pip builds it from source: minutes); not needed by `make test`.
+# GGML_NATIVE=OFF with explicit ISA flags: the native build enables ggml's AMX path, which segfaults in
+# llama_decode on this machine kind (AMX hosts); AVX-512 (+VNNI, +BF16) is what llama.cpp's server used.
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(if $(shell grep -m1 -o avx512f /proc/cpuinfo),-DGGML_AVX512=ON) \
+	$(if $(shell grep -m1 -o avx512_vnni /proc/cpuinfo),-DGGML_AVX512_VNNI=ON) \
+	$(if $(shell grep -m1 -o avx512_bf16 /proc/cpuinfo),-DGGML_AVX512_BF16=ON)
+bench-llamacpp: setup
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(PY) -m pip install --quiet --no-binary llama-cpp-python -e '.[llamacpp]'
 
 clean:
 	rm -rf $(VENV)

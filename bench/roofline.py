@@ -209,6 +209,7 @@ def main():
     ap.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
     ap.add_argument("--kv-cache-dtype", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--quantization", default=None)
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--prefill", default=None, help="PROMPT:CHUNK, e.g. 4000:256: per-chunk attention vs GEMMs")
     ap.add_argument("--pythonpath", default=None, help="import pagedserve from this checkout")
@@ -221,7 +222,8 @@ def main():
     from pagedserve import LLM, SamplingParams
 
     name, flags = cpu_name_and_flags()
-    kw = {k: v for k, v in (("kv_cache_dtype", a.kv_cache_dtype), ("dtype", a.dtype)) if v is not None}
+    kw = {k: v for k, v in (("kv_cache_dtype", a.kv_cache_dtype), ("dtype", a.dtype),
+                                             ("quantization", a.quantization)) if v is not None}
     if a.prefill:
         chunk = int(a.prefill.split(":")[1])
         llm = LLM(num_kv_blocks=4096, long_prefill_token_threshold=chunk, **kw)
@@ -276,7 +278,7 @@ def main():
                   "s": round(wall - accounted, 2), "share": round((wall - accounted) / wall, 3)})
     res = {"host": name, "flags": flags, "threads": torch.get_num_threads(), "read_gb_s": round(bw, 1),
            "workload": a.workload, "requests": len(reqs), "steps": steps, "wall_s": round(wall, 2),
-           "output_tok_s": round(out_tok / wall, 1), "weights": wdt,
+           "output_tok_s": round(out_tok / wall, 1), "weights": getattr(eng.model, "weights_desc", wdt),
            "kv_cache_dtype": getattr(eng, "kv_cache_dtype_name", "float32"), "lines": lines, "gemms": gemms}
     print(f"host: {name} | {' '.join(flags)} | {res['threads']} threads | read {bw:.1f} GB/s")
     print("GEMM GFLOP/s (F.linear, model shapes):")
@@ -286,7 +288,7 @@ def main():
             row = [g for g in gemms if g["dtype"] == d and g["shape"] == sname]
             print(f"  {d:9s} {sname:8s} " + "  ".join(f"{g['rows']:>5} rows {g['gflop_s']:>7.1f}" for g in row))
     print(f"\n{a.workload}: {len(reqs)} requests, {steps} steps, {wall:.1f} s, {res['output_tok_s']} output tok/s "
-          f"(weights {wdt}, KV {res['kv_cache_dtype']})")
+          f"(weights {res['weights']}, KV {res['kv_cache_dtype']})")
     print(f"| {'line':<40} | {'s':>6} | {'share':>6} | {'achieved':>14} | {'limit':>14} | {'of limit':>8} |")
     for ln in lines:
         ach = "" if ln.get("achieved") is None else f"{ln['achieved']} {ln['unit']}"

@@ -1,57 +1,149 @@
-"""Model load time and single-sequence greedy decode tokens/s: pagedserve next to HF transformers'
-`generate` on the same prompt, in the same run (ratios, since the machine is shared).
+"""Single-request greedy decode tokens/s for every weight path this host runs (--dtype x --quantization),
+next to HF transformers' `generate` in float32 and bfloat16 and llama.cpp (llama-cpp-python, the
+bench-only extra `pip install -e '.[llamacpp]'`) on the same GGUF file, in one run (ratios: the
+machine is shared). Each engine runs in its own process so its RSS is its own.
 
-Usage: python bench/single_decode.py [--tokens 128] [--repeats 3]
+Usage: python bench/single_decode.py [--tokens 128] [--repeats 3] [--paths float32:none,bfloat16:gguf,...]
 """
 import argparse
 import json
 import os
+import resource
+import subprocess
+import sys
 import time
 
-import torch
+PROMPT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_ids():
+    from pagedserve.model.loader import resolve_model
+    from pagedserve.tokenizer import apply_chat_template, load_tokenizer
+    return apply_chat_template(load_tokenizer(resolve_model(None)), PROMPT)
+
+
+def timed(fn, tokens: int, repeats: int) -> float:
+    fn(8)                                              # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(tokens)
+        best = max(best, tokens / (time.perf_counter() - t))
+    return best
+
+
+def run_ours(path: str, tokens: int, repeats: int) -> dict:
+    from pagedserve import LLM, SamplingParams
+    dtype, quant = path.split(":")
+    t0 = time.perf_counter()
+    llm = LLM(num_kv_blocks=256, dtype=dtype, quantization=quant)
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids()
+
+    def gen(n):
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == n
+    tok_s = timed(gen, tokens, repeats)
+    return {"engine": f"pagedserve --dtype {dtype} --quantization {quant}", "weights": llm.engine.model.weights_desc,
+            "weights_mb": round(llm.engine.weights_bytes / 2**20, 1), "tok_s": round(tok_s, 2),
+            "load_s": round(load_s, 2), "max_rss_mb": round(rss_mb())}
+
+
+def run_hf(dtype: str, tokens: int, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from pagedserve.model.loader import resolve_model
+    src = resolve_model(None)
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path),
+                                              dtype=getattr(torch, dtype)).eval()
+    load_s = time.perf_counter() - t0
+    x = torch.tensor([prompt_ids()])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def gen(n):
+        with torch.inference_mode():
+            hf.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+    tok_s = timed(gen, tokens, repeats)
+    return {"engine": f"HF generate {dtype}", "tok_s": round(tok_s, 2), "load_s": round(load_s, 2),
+            "max_rss_mb": round(rss_mb())}
+
+
+def run_llamacpp(tokens: int, repeats: int) -> dict:
+    from llama_cpp import Llama
+    from pagedserve.model.loader import resolve_model
+    src = resolve_model(None)
+    t0 = time.perf_counter()
+    llm = Llama(model_path=src.path, n_ctx=1024, n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(),
+                n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids()
+
+    def gen(n):
+        llm.reset()
+        out = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(tok)
+            if len(out) == n:
+                break
+    tok_s = timed(gen, tokens, repeats)
+    import llama_cpp
+    return {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) on the same GGUF", "tok_s": round(tok_s, 2),
+            "load_s": round(load_s, 2), "max_rss_mb": round(rss_mb())}
+
+
+def default_paths() -> list[str]:
+    from pagedserve.host import bf16_flags
+    dtypes = ["float32"] + (["bfloat16"] if bf16_flags() else [])
+    return [f"{d}:{q}" for q in ("none", "gguf", "int8") for d in dtypes]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paths", default=None, help="dtype:quantization,... (default: every path this host runs)")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    import torch
     torch.set_num_threads(os.cpu_count() or 1)
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.model.loader import resolve_model
-    from pagedserve.tokenizer import apply_chat_template
-
-    t0 = time.perf_counter()
-    llm = LLM(num_kv_blocks=256)
-    load_s = time.perf_counter() - t0
-    ids = apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": "Tell me a long story about a dragon."}])
-    sp = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
-    ours = []
-    for _ in range(a.repeats):
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-        ours.append(a.tokens / (time.perf_counter() - t))
-
-    from transformers import AutoModelForCausalLM
-    src = resolve_model(None)
-    t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path),
-                                              dtype=torch.float32).eval()
-    hf_load_s = time.perf_counter() - t0
-    x = torch.tensor([ids])
-    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        hf.generate(x, max_new_tokens=8, **kw)
-        theirs = []
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            hf.generate(x, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)
-            theirs.append(a.tokens / (time.perf_counter() - t))
-    res = {"prompt_tokens": len(ids), "new_tokens": a.tokens, "pagedserve_load_s": round(load_s, 2),
-           "hf_load_s": round(hf_load_s, 2), "pagedserve_tok_s": round(max(ours), 2), "hf_tok_s": round(max(theirs), 2),
-           "ratio": round(max(ours) / max(theirs), 2), "threads": torch.get_num_threads()}
-    print("RESULT " + json.dumps(res))
+    if a.child:
+        kind, _, arg = a.child.partition("=")
+        res = {"ours": lambda: run_ours(arg, a.tokens, a.repeats), "hf": lambda: run_hf(arg, a.tokens, a.repeats),
+               "llamacpp": lambda: run_llamacpp(a.tokens, a.repeats)}[kind]()
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    from pagedserve.host import cpu_info
+    name, flags = cpu_info()
+    print(f"host: {name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")))))
+    jobs = [f"ours={p}" for p in (a.paths.split(",") if a.paths else default_paths())]
+    jobs += [f"hf={d}" for d in a.hf_dtypes.split(",") if d]
+    jobs += [] if a.no_llamacpp else ["llamacpp="]
+    results = []
+    for job in jobs:
+        p = subprocess.run([sys.executable, __file__, "--child", job, "--tokens", str(a.tokens), "--repeats",
+                            str(a.repeats)], capture_output=True, text=True)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not line:
+            print(f"{job}: failed\n{p.stderr[-2000:]}")
+            continue
+        results.append(json.loads(line[0][7:]))
+        print(line[0], flush=True)
+    ref = {r["engine"]: r["tok_s"] for r in results}
+    lcpp = next((v for k, v in ref.items() if k.startswith("llama.cpp")), None)
+    hf32 = ref.get("HF generate float32")
+    print("\n| engine | weights | tok/s | x HF fp32 | x llama.cpp | weights MiB | max RSS MiB |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        x_hf = f"{r['tok_s'] / hf32:.2f}" if hf32 else "-"
+        x_lcpp = f"{r['tok_s'] / lcpp:.2f}" if lcpp else "-"
+        print(f"| {r['engine']} | {r.get('weights', '')} | {r['tok_s']} | {x_hf} | {x_lcpp} | "
+              f"{r.get('weights_mb', '')} | {r['max_rss_mb']} |")
 
 
 if __name__ == "__main__":

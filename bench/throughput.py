@@ -5,6 +5,8 @@ after the other in this one invocation; prints each RESULT and the ratios.
 Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num-batched-tokens N] ...
        python bench/throughput.py --kv-cache-dtypes float32,bfloat16,int8 --baselines hf_cb.py
        (one pagedserve run per KV cache dtype, then the chosen baselines)
+       python bench/throughput.py --paths float32:none,bfloat16:none,bfloat16:gguf --baselines hf_cb.py \
+           --baseline-dtypes float32,bfloat16   (one run per --dtype:--quantization; baselines per dtype)
 """
 import argparse
 import json
@@ -23,13 +25,14 @@ def load_workload(name: str) -> list[dict]:
     return workload.make(name)
 
 
-def run_ours(reqs, args, kv_cache_dtype: str = "auto") -> dict:
+def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quantization: str = "none") -> dict:
     import torch
     from pagedserve import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype)
+              long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+              quantization=quantization)
     load_s = time.perf_counter() - t0
     eng = llm.engine
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -51,7 +54,9 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto") -> dict:
     fwd_s = sum(s.forward_s for s in steps)
     busy = [s for s in steps if s.num_running >= 48]
     busy_out = (sum(s.step_s - s.forward_s for s in busy) / max(1e-9, sum(s.step_s for s in busy))) if busy else None
-    return {"engine": "pagedserve", "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
+    return {"engine": "pagedserve", "dtype": dtype, "quantization": quantization,
+            "weights": eng.model.weights_desc, "weights_mb": round(eng.weights_bytes / 2**20, 1),
+            "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
             "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
             "total_tok_s": round((p_tok + o_tok) / wall, 2), "token_counts_ok": ok, "steps": len(steps),
             "share_outside_forward": round(1 - fwd_s / step_s, 3),
@@ -80,26 +85,35 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: one pagedserve run each")
+    ap.add_argument("--paths", default="auto:none", help="comma-separated dtype:quantization, one run each")
     ap.add_argument("--baselines", default="hf_cb.py,hf_static.py", help="comma-separated shared drivers")
+    ap.add_argument("--baseline-dtypes", default="float32", help="comma-separated: each baseline once per dtype")
     a = ap.parse_args()
     reqs = load_workload(a.workload)
+    from pagedserve.host import cpu_info
+    name, flags = cpu_info()
+    print(f"host: {name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")))))
     ours = []
-    for kv in a.kv_cache_dtypes.split(","):
-        ours.append(run_ours(reqs, a, kv))
-        print("RESULT " + json.dumps(ours[-1]), flush=True)
+    for path in a.paths.split(","):
+        dtype, quant = path.split(":")
+        for kv in a.kv_cache_dtypes.split(","):
+            ours.append(run_ours(reqs, a, kv, dtype, quant))
+            print("RESULT " + json.dumps(ours[-1]), flush=True)
     if not a.no_baselines:
         wl_path = os.path.join("/tmp", f"{a.workload}.jsonl")
         with open(wl_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in reqs)
         base = []
         for script in a.baselines.split(","):
-            r = run_baseline(script, wl_path, ["16"] if script == "hf_static.py" else [])
-            base.append(r)
-            print("RESULT " + json.dumps(r), flush=True)
+            for dt in a.baseline_dtypes.split(","):
+                r = run_baseline(script, wl_path, ["16", dt] if script == "hf_static.py" else ["--dtype", dt])
+                r["dtype"] = dt
+                base.append(r)
+                print("RESULT " + json.dumps(r), flush=True)
         for o in ours:
             for r in base:
                 if "output_tok_s" in r:
-                    print(f"RATIO pagedserve (KV {o['kv_cache_dtype']}) / {r['engine']}: "
+                    print(f"RATIO pagedserve ({o['weights']}, KV {o['kv_cache_dtype']}) / {r['engine']} {r['dtype']}: "
                           f"{o['output_tok_s'] / r['output_tok_s']:.2f}x output tok/s")
 
 

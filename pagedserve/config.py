@@ -13,7 +13,12 @@ def _h(text: str, **kw) -> dict:
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = field(default=None, metadata=_h("GGUF file or HF folder; default: the bundled SmolLM2-135M-Instruct"))
-    dtype: str = field(default="auto", metadata=_h("float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on GPU)"))
+    dtype: str = field(default="auto", metadata=_h(
+        "float32 | bfloat16 | float16 | auto (bfloat16 where the CPU multiplies it natively: AMX-BF16 or "
+        "AVX512-BF16; float32 on other CPUs; bfloat16 on GPU). Norms, softmax, logits and sampling stay float32"))
+    quantization: str = field(default="none", metadata=_h(
+        "none | gguf (keep a GGUF file's quantized matrices packed and multiply them directly) | int8 (quantize "
+        "every matrix per output channel at load)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
@@ -58,6 +63,7 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
+                   "quantization": ("none", "gguf", "int8"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static")}
         for name, ok in choices.items():

@@ -19,3 +19,19 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     except OSError:
         pass
     return name, flags
+
+
+def bf16_flags() -> list[str]:
+    """The CPU flags by which this host multiplies bfloat16 natively (AMX tiles, AVX512-BF16 dot
+    products); empty where bf16 would be emulated and slower than float32."""
+    return [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_info()[1]]
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """What `--dtype auto` means here, and why (logged at start-up)."""
+    if device != "cpu":
+        return "bfloat16", f"{device}"
+    have = bf16_flags()
+    if have:
+        return "bfloat16", f"the CPU multiplies bf16 natively ({', '.join(have)})"
+    return "float32", "the CPU has neither amx_bf16 nor avx512_bf16"

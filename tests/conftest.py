@@ -40,7 +40,7 @@ def hf_model(default_source):
 def llm():
     """One engine for tests that only read outputs (they must leave it idle)."""
     from pagedserve import LLM
-    return LLM(num_kv_blocks=1024, block_size=16)
+    return LLM(num_kv_blocks=1024, block_size=16, dtype="float32")
 
 
 CHAT_PROMPTS = [

@@ -17,7 +17,9 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
+from pagedserve.host import auto_dtype
 from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.model.quant import weight_bytes
 from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer
@@ -35,14 +37,16 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        dtype = _DTYPES.get(args.dtype, torch.float32 if args.device == "cpu" else torch.bfloat16)
-        self.model, self.model_config = load_model(self.source, dtype, args.device)
+        dtype_name, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(args.device)
+        log.info("dtype %s (%s)", dtype_name, why if args.dtype == "auto" else "asked for")
+        dtype = _DTYPES[dtype_name]
+        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization)
         self.tokenizer = load_tokenizer(self.source)
         self.load_s = time.perf_counter() - t0
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights_bytes = weight_bytes(self.model)
         self.workspace_bytes = self._workspace_bytes(dtype)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
@@ -79,8 +83,9 @@ class LLMEngine:
         kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head"
                                                   if kv_scale_bytes(kv_dtype) else "")
         if a.num_kv_blocks is not None:
-            log.info("memory plan: weights %.2f GiB | %s | KV pool %.2f GiB = num_kv_blocks %d x %d tokens at %d "
-                     "bytes/token", self.weights_bytes / GiB, kv, a.num_kv_blocks * per_block / GiB, a.num_kv_blocks,
+            log.info("memory plan: weights %.2f GiB (%s) | %s | KV pool %.2f GiB = num_kv_blocks %d x %d tokens at %d "
+                     "bytes/token", self.weights_bytes / GiB, self.model.weights_desc, kv,
+                     a.num_kv_blocks * per_block / GiB, a.num_kv_blocks,
                      a.block_size, per_block // a.block_size)
             return a.num_kv_blocks
         if a.kv_cache_memory is not None:
@@ -93,9 +98,10 @@ class LLMEngine:
         blocks = budget // per_block
         if blocks < 2:
             raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
-        log.info("memory plan: weights %.2f GiB | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
+        log.info("memory plan: weights %.2f GiB (%s) | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
                  "attention scratch) | %s | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens at %d bytes/token",
-                 self.weights_bytes / GiB, self.workspace_bytes / GiB, a.max_num_batched_tokens, kv,
+                 self.weights_bytes / GiB, self.model.weights_desc, self.workspace_bytes / GiB,
+                 a.max_num_batched_tokens, kv,
                  blocks * per_block / GiB, how, blocks, a.block_size, blocks * a.block_size, per_block // a.block_size)
         return int(blocks)
 

@@ -1,8 +1,10 @@
 """Native CPU kernels, built with the system C compiler on first use and cached on disk.
 
 paged_attention.c: decode and prefill attention that read K/V in place through the block tables,
-in every KV cache format (float32, bfloat16, int8 + per-token scales). One source is compiled per
-ISA level the host runs (avx512 = x86-64-v4, avx2 = x86-64-v3, generic); the best one is loaded.
+in every KV cache format (float32, bfloat16, int8 + per-token scales).
+qmatmul.c: products with quantized weights (GGUF blocks, per-channel int8), see pagedserve.model.quant.
+Each source is compiled per ISA level the host runs (avx512 = x86-64-v4, avx2 = x86-64-v3, generic);
+the best one is loaded.
 A build is cached under a key made of the source, the compiler, the flags, the level and the
 host's CPU flags, so a cache directory shared between different hosts never hands one host
 another's build. Without a compiler (or with PAGEDSERVE_ATTENTION=torch) the torch paths in
@@ -23,7 +25,7 @@ import torch
 from pagedserve.host import cpu_info
 
 log = logging.getLogger("pagedserve")
-_SRC = os.path.join(os.path.dirname(__file__), "paged_attention.c")
+SOURCES = ("paged_attention", "qmatmul")
 
 # ISA level -> (CPU flags it needs, compiler flags); best first
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -32,7 +34,7 @@ LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "generic": ((), ("-march=x86-64",) if platform.machine() in ("x86_64", "AMD64") else ()),
 }
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_libs: dict[str, ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, str], ctypes.CDLL | None] = {}     # (source, level) -> library
 _default: str | None = None          # the level load() gives when none is named (resolved once)
 
 
@@ -50,77 +52,92 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 
 
-def build_path(level: str, cc: str) -> tuple[str, list[str]]:
+def build_path(level: str, cc: str, source: str = "paged_attention") -> tuple[str, list[str]]:
     """Where the build for `level` is cached, and its compiler flags. The key covers the source, the
     compiler's version, the flags, the level and this host's CPU flags (-mtune=native differs by host)."""
     flags = ["-O3", *LEVELS[level][1], "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
              "-Wno-psabi"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     host = " ".join(sorted(cpu_flags()))
-    with open(_SRC, "rb") as f:
+    with open(os.path.join(os.path.dirname(__file__), source + ".c"), "rb") as f:
         key = hashlib.sha256(f.read() + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
     root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    return os.path.join(root, "kernels", f"paged_attention-{level}-{key}.so"), flags
+    return os.path.join(root, "kernels", f"{source}-{level}-{key}.so"), flags
 
 
-def _build(level: str) -> ctypes.CDLL | None:
+def _declare(lib: ctypes.CDLL, source: str) -> None:
+    """ctypes signatures of a library's entry points."""
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    if source == "paged_attention":
+        args = [p] * 5 + [i] + [p] * 3 + [i] * 6 + [f]
+        lib.paged_decode_attention.argtypes = args
+        lib.paged_prefill_attention.argtypes = args[:8] + [p] + args[8:]
+    else:
+        lib.qmatmul.argtypes = [p, i, i, i, p, i, i, i64, p, i]
+        lib.qdequant.argtypes = [p, i, i, i64, p, i, p, i]
+    for name in ("paged_decode_attention", "paged_prefill_attention", "qmatmul", "qdequant"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = None
+    getattr(lib, f"{source}_isa").restype = ctypes.c_char_p
+    lib.set_threads = getattr(lib, f"{source}_set_threads")
+    lib.set_threads.argtypes = [i]
+    lib.set_threads(torch.get_num_threads())
+
+
+def _build(level: str, source: str) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found: attention uses the (slower) torch gather path")
+        log.warning("no C compiler found: %s uses the (slower) torch path", source)
         return None
-    out, flags = build_path(level, cc)
+    out, flags = build_path(level, cc, source)
     if not os.path.isfile(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
         os.close(fd)
-        r = subprocess.run([cc, *flags, _SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
+        src = os.path.join(os.path.dirname(__file__), source + ".c")
+        r = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
-            log.warning("building the %s attention kernels failed, using the torch path:\n%s", level, r.stderr[-2000:])
+            log.warning("building the %s %s kernels failed, using the torch path:\n%s", level, source,
+                        r.stderr[-2000:])
             os.unlink(tmp)
             return None
         os.replace(tmp, out)
     # our OpenMP runtime is not torch's: let its threads sleep, not spin, between calls
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     lib = ctypes.CDLL(out)
-    args = [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_float]
-    lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = args
-    lib.paged_prefill_attention.restype = None
-    lib.paged_prefill_attention.argtypes = args[:8] + [ctypes.c_void_p] + args[8:]
-    lib.paged_attention_isa.restype = ctypes.c_char_p
-    lib.paged_attention_set_threads.argtypes = [ctypes.c_int]
-    lib.paged_attention_set_threads(torch.get_num_threads())
+    _declare(lib, source)
     return lib
 
 
-def load(level: str | None = None) -> ctypes.CDLL | None:
-    """The kernels built for `level` (default: PAGEDSERVE_KERNEL_ISA, else the host's best level)."""
+def load(level: str | None = None, source: str = "paged_attention") -> ctypes.CDLL | None:
+    """The `source` kernels built for `level` (default: PAGEDSERVE_KERNEL_ISA, else the host's best
+    level, resolved once for every source)."""
     global _default
-    if level is None and _default is not None:
-        return _libs[_default]
-    name = level or os.environ.get("PAGEDSERVE_KERNEL_ISA") or host_levels()[0]
+    if level is None and (source, _default) in _libs:        # the per-call path: one dict lookup
+        return _libs[(source, _default)]
+    name = level or _default or os.environ.get("PAGEDSERVE_KERNEL_ISA") or host_levels()[0]
     if name not in host_levels():
         raise ValueError(f"PAGEDSERVE_KERNEL_ISA / level {name!r}: this CPU runs {host_levels()} "
                          f"(of {list(LEVELS)})")
-    if name not in _libs:
+    if (source, name) not in _libs:
         lib = None
-        if os.environ.get("PAGEDSERVE_ATTENTION", "native") != "torch":
+        if source != "paged_attention" or os.environ.get("PAGEDSERVE_ATTENTION", "native") != "torch":
             try:
-                lib = _build(name)
+                lib = _build(name, source)
             except OSError as e:
-                log.warning("cannot load the %s attention kernels (%s): using the torch path", name, e)
-        _libs[name] = lib
+                log.warning("cannot load the %s %s kernels (%s): using the torch path", name, source, e)
+        _libs[(source, name)] = lib
+        if level is None and lib is not None:
+            log.info("%s kernels: %s build (%s)", source, name, os.path.basename(lib._name))
     if level is None:
         _default = name
-        if _libs[name] is not None:
-            log.info("attention kernels: %s build (%s)", name, os.path.basename(_libs[name]._name))
-    return _libs[name]
+    return _libs[(source, name)]
 
 
 def set_threads(n: int) -> None:
     for lib in _libs.values():
         if lib is not None:
-            lib.paged_attention_set_threads(n)
+            lib.set_threads(n)
 
 
 def supports(head_dim: int, n_heads: int, n_kv: int) -> bool:

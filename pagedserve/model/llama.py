@@ -15,13 +15,17 @@ from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.quant import PackedWeight, measure_crossover
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
     """x @ w.T. With `transposed`, batches of 2..128 rows are computed as (w @ x.T).T: MKL runs that
     up to 3x faster than F.linear on some CPUs (AMD EPYC: 3 rows x the 49152-row LM head, 10 ms vs
     31 ms) and 2-3x slower on others (Intel Xeon with AVX-512), so LlamaForCausalLM.choose_gemm_form()
-    measures both on the model's own weights when it is loaded."""
+    measures both on the model's own weights when it is loaded. A PackedWeight (--quantization)
+    multiplies itself."""
+    if isinstance(w, PackedWeight):
+        return w.matmul(x, b)
     if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
         return F.linear(x, w, b)
     y = (w @ x.t()).t().contiguous()
@@ -108,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]     # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]               # (T, 1, hd)
-        dt = self.embed_tokens.weight.dtype
+        dt = self.norm.dtype             # the compute dtype (the embedding may be packed)
         return emb.cos().to(dt), emb.sin().to(dt)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
@@ -134,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if isinstance(self.layers[0].gate_up_proj.weight, PackedWeight):
+            return self._choose_packed_crossover(head)
         if head.device.type != "cpu":
             return "small-batch GEMMs: F.linear (not on CPU)"
         if forced:
@@ -155,3 +161,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.transposed = use
         return f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"
+
+    def _choose_packed_crossover(self, head) -> str:
+        """Packed weights: up to how many rows qmatmul beats dequantize + GEMM, measured per shape."""
+        lines = []
+        for name, w in (("layers", self.layers[0].gate_up_proj.weight), ("LM head", head)):
+            if not isinstance(w, PackedWeight):
+                continue
+            m, line = measure_crossover(w, self.norm.dtype)
+            lines.append(f"{name}: {line}")
+            targets = [w] if name == "LM head" else [getattr(layer, p).weight for layer in self.layers
+                                                   for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+            for t in targets:
+                if isinstance(t, PackedWeight):
+                    t.small_m = m
+        return "packed GEMMs: " + "; ".join(lines)

@@ -18,6 +18,8 @@ import torch
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
+                                    describe, quantize_int8)
 
 log = logging.getLogger("pagedserve")
 
@@ -75,14 +77,23 @@ def resolve_model(model: str | None) -> ModelSource:
 _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
 
 
-def load_model(src: ModelSource, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
-    process share one loaded copy per (file, dtype, device)."""
+    process share one loaded copy per (file, dtype, device, quantization).
+    quantization: none (dense in `dtype`) | gguf (the file's quantized tensors stay packed) | int8
+    (every linear weight quantized per output channel at load)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization != "none" and device != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device} use quantization none")
+    if quantization == "gguf" and src.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {src.path} is an HF "
+                         "folder; use quantization int8 or none")
     st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization)
     if key not in _LOADED:
-        _LOADED[key] = _load_model(src, dtype, device)
+        _LOADED[key] = _load_model(src, dtype, device, quantization)
     model, cfg = _LOADED[key]
     return model, copy.copy(cfg)
 
@@ -96,19 +107,58 @@ def cache_dir(path: str, kind: str) -> str:
     return os.path.join(root, kind, key)
 
 
-def _load_model(src: ModelSource, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, ModelConfig]:
-    cfg, weights = _read_gguf_cached(src.path, dtype) if src.kind == "gguf" else _read_hf(src.path, dtype)
+def _load_model(src: ModelSource, dtype: torch.dtype, device: str,
+                quantization: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+    if quantization == "gguf":
+        cfg, weights = _read_gguf(src.path, dtype, packed=True)
+    else:
+        read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
+        cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
+    sd = _fuse(cfg, weights)
+    if quantization == "int8":
+        sd = {k: quantize_int8(v) if _is_matrix(k) else v.to(dtype) for k, v in sd.items()}
+    sd = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model.load_state_dict(_fuse(cfg, weights), assign=True, strict=True)
+    for key, w in sd.items():
+        if isinstance(w, PackedWeight):     # the module holding it becomes a packed one
+            parent, _, child = key.removesuffix(".weight").rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            packed = (PackedEmbedding(w, dtype) if child == "embed_tokens"
+                      else PackedLinear(w, bias=f"{key.removesuffix('.weight')}.bias" in sd))
+            setattr(owner, child, packed)
+    model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, PackedWeight)}, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(cfg)   # a non-persistent buffer: built on meta, made real here
     model = model.to(device).eval()
+    model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     log.info("%s", model.choose_gemm_form())
     return model, cfg
 
 
-def _fuse(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> our fused module's state dict."""
+_MATRICES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "embed_tokens.weight",
+             "lm_head.weight")
+
+_HF_MATRICES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _is_matrix(key: str) -> bool:
+    return key.endswith(_MATRICES)
+
+
+def _cat(parts: list) -> torch.Tensor | PackedWeight:
+    """Fuse projections: dense tensors concatenate; packed weights of one format stack their rows;
+    a mix (e.g. a Q4_K file with Q6_K v rows) is dequantized to float32 and stays dense."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
+        return cat_rows(parts)
+    log.warning("fused projection mixes %s: kept dense", [getattr(p, "fmt", str(p.dtype)) for p in parts])
+    return torch.cat([p.dequantize() if isinstance(p, PackedWeight) else p.float() for p in parts])
+
+
+def _fuse(cfg: ModelConfig, w: dict) -> dict:
+    """HF-named tensors (dense, or PackedWeight for --quantization gguf) -> our fused module's state dict."""
     sd = {"embed_tokens.weight": w["model.embed_tokens.weight"], "norm": w["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = w["lm_head.weight"]
@@ -116,15 +166,15 @@ def _fuse(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         sd[f"layers.{i}.attn_norm"] = w[p + "input_layernorm.weight"]
         sd[f"layers.{i}.mlp_norm"] = w[p + "post_attention_layernorm.weight"]
-        sd[f"layers.{i}.qkv_proj.weight"] = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                                                      w[a + "v_proj.weight"]])
+        sd[f"layers.{i}.qkv_proj.weight"] = _cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                                                 w[a + "v_proj.weight"]])
         if cfg.attention_bias:
             sd[f"layers.{i}.qkv_proj.bias"] = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
                                                         w[a + "v_proj.bias"]])
         sd[f"layers.{i}.o_proj.weight"] = w[a + "o_proj.weight"]
-        sd[f"layers.{i}.gate_up_proj.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        sd[f"layers.{i}.gate_up_proj.weight"] = _cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         sd[f"layers.{i}.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
-    return {k: v.contiguous() for k, v in sd.items()}
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
 
 
 # ---------------------------------------------------------------- HF folders (safetensors)
@@ -182,7 +232,9 @@ def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     return cfg, {k: v.to(dtype) for k, v in weights.items()}
 
 
-def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[ModelConfig, dict]:
+    """packed: the matrices whose type the qmatmul kernels read (FORMATS) stay in their blocks, as
+    PackedWeight; everything else is dequantized to `dtype`."""
     import gguf
     try:
         reader = gguf.GGUFReader(path)
@@ -199,12 +251,23 @@ def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         cfg = _gguf_config(reader, arch)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"GGUF file {path} lacks the metadata of a {arch} model: {e!r}") from e
+    keep = {t.name for t in reader.tensors        # (GGUF's own I8 type is unscaled: not our I8 rows)
+            if packed and t.tensor_type.name in FORMATS and t.tensor_type.name != "I8" and len(t.shape) == 2 and (_gguf_to_hf_name(t.name) or "").endswith(_HF_MATRICES)}
+    dense = [t for t in reader.tensors if t.name not in keep]
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        arrays = dict(zip([t.name for t in reader.tensors], pool.map(_dequantize, reader.tensors)))
+        arrays = dict(zip([t.name for t in dense], pool.map(_dequantize, dense)))
+    arrays.update({t.name: PackedWeight(t.tensor_type.name, torch.from_numpy(np.array(t.data)), int(t.shape[0]))
+                   for t in reader.tensors if t.name in keep})
     weights = {}
     for name, arr in arrays.items():
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
+            continue
+        if isinstance(arr, PackedWeight):
+            if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
+                arr = arr.permute_rows(_unpermute(torch.arange(arr.shape[0]), heads))
+            weights[hf_name] = arr
             continue
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -1,6 +1,7 @@
 """--kv-cache-dtype: the pool holds more tokens in the same memory, and greedy output stays close
-to float32 KV by the rule vLLM uses to compare backends (check_logprobs_close); so does
---dtype bfloat16 (bf16 weights, and KV following them) against float32 weights:
+to float32 KV by the rule vLLM uses to compare backends (check_logprobs_close); so do
+--dtype bfloat16 (bf16 weights, and KV following them) and --quantization int8 / gguf against
+float32 dense weights:
 
     for each prompt, the greedy token lists are equal; or, at the first position where they
     differ, each engine's token is among the other engine's top-5 logprobs there. Positions
@@ -37,11 +38,33 @@ def fp32_greedy(llm):
     return _greedy(llm)
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bfloat16"), ("float32", "int8"), ("bfloat16", "auto")])
-def test_greedy_close_to_float32(dtype, kv, fp32_greedy):
-    other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv)
-    assert other.engine.runner.kv_cache.dtype.itemsize == (1 if kv == "int8" else 2)
-    _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv}")
+@pytest.mark.parametrize("dtype,kv,quant", [("float32", "bfloat16", "none"), ("float32", "int8", "none"),
+                                            ("bfloat16", "auto", "none"), ("float32", "float32", "int8"),
+                                            ("bfloat16", "auto", "int8"), ("bfloat16", "auto", "gguf")])
+def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
+    other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
+    assert other.engine.runner.kv_cache.dtype.itemsize == {"int8": 1, "float32": 4}.get(kv, 2)
+    _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv} --quantization {quant}")
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from pagedserve import host
+    monkeypatch.setattr(host, "cpu_info", lambda: ("AMD EPYC", frozenset({"avx2", "fma"})))
+    assert host.auto_dtype("cpu") == ("float32", "the CPU has neither amx_bf16 nor avx512_bf16")
+    monkeypatch.setattr(host, "cpu_info", lambda: ("Xeon", frozenset({"avx512f", "avx512_bf16", "amx_bf16"})))
+    assert host.auto_dtype("cpu") == ("bfloat16", "the CPU multiplies bf16 natively (amx_bf16, avx512_bf16)")
+    assert host.auto_dtype("cuda")[0] == "bfloat16"
+
+
+def test_chosen_path_is_logged(caplog):
+    from pagedserve.host import auto_dtype
+    with caplog.at_level("INFO", logger="pagedserve"):
+        eng = LLM(num_kv_blocks=64, quantization="int8").engine
+    want, why = auto_dtype("cpu")
+    assert f"dtype {want} ({why})" in caplog.text
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    assert f"({want} packed I8 x 121)" in plan      # 30 x 4 fused matrices + the tied embedding
+    assert eng.weights_bytes < 0.3 * 4 * 134e6     # int8 + scales vs 134M float32 weights
 
 
 def test_same_memory_admits_more_tokens():

@@ -1,0 +1,194 @@
+"""Weights kept quantized in memory (`--quantization gguf | int8`) and multiplied in that form.
+
+A PackedWeight is N rows (output channels) of K inputs, each row a run of quantized blocks:
+the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, read as they lie in the file) or our
+per-channel int8 (`quantize_int8`, one float32 scale per row). pagedserve/kernels/qmatmul.c
+multiplies few-row batches straight from the blocks (decode: the weight bytes are the cost, and
+Q4_1 is ~5 bits a weight against 32); batches of more rows than the measured crossover are
+dequantized into the compute dtype and handed to torch's GEMM (AMX / AVX512-BF16 where present).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve import kernels
+
+# format -> (kernel code, weights per block, bytes per block)
+FORMATS: dict[str, tuple[int, int, int]] = {
+    "I8": (0, 1, 1), "Q8_0": (1, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
+    "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210),
+}
+QUANTIZATIONS = ("none", "int8", "gguf")
+TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
+SMALL_M_MAX = 64          # the crossover is searched up to here; above it the dequantize path always wins
+
+
+@dataclass(eq=False, slots=True)
+class PackedWeight:
+    fmt: str                    # a key of FORMATS
+    data: torch.Tensor          # (N, row_bytes) uint8
+    K: int                      # inputs per row
+    small_m: int = 8            # rows of x up to which qmatmul beats dequantize + GEMM (measured at load)
+
+    def __post_init__(self) -> None:
+        _, per_block, block_bytes = FORMATS[self.fmt]
+        want = 4 + self.K if self.fmt == "I8" else self.K // per_block * block_bytes
+        if self.K % 32 or self.K % per_block or self.data.dtype != torch.uint8 or self.data.dim() != 2 \
+                or self.data.shape[1] != want:
+            raise ValueError(f"{self.fmt} weight of {self.K} inputs needs ({self.K // 32} x 32)-input rows of "
+                             f"{want} bytes, got {tuple(self.data.shape)} {self.data.dtype}")
+        self.data = self.data.contiguous()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.K
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """All rows (or the given row indices: embedding lookups) as a dense (n, K) tensor."""
+        n = self.data.shape[0] if rows is None else rows.numel()
+        bf16 = dtype == torch.bfloat16
+        if out is None or out.dtype != (torch.bfloat16 if bf16 else torch.float32):
+            out = torch.empty(n, self.K, dtype=torch.bfloat16 if bf16 else torch.float32)
+        idx = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
+        _lib().qdequant(self.data.data_ptr(), FORMATS[self.fmt][0], self.K, self.data.shape[1],
+                        None if idx is None else idx.data_ptr(), n, out.data_ptr(), int(bf16))
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) @ W.T -> (M, N) in x's dtype."""
+        if x.shape[0] > self.small_m:
+            return self._dense_matmul(x, bias)
+        y = self._qmatmul(x)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile."""
+        N = self.data.shape[0]
+        rows = min(N, max(16, TILE_WEIGHTS // self.K))
+        scratch = _scratch(x.dtype, rows * self.K)
+        if rows == N:
+            return F.linear(x, self.dequantize(x.dtype, out=scratch.view(N, self.K)), bias)
+        out = torch.empty(x.shape[0], N, dtype=x.dtype)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            tile = PackedWeight(self.fmt, self.data[n0:n1], self.K)
+            out[:, n0:n1] = F.linear(x, tile.dequantize(x.dtype, out=scratch[: (n1 - n0) * self.K].view(-1, self.K)))
+        return out if bias is None else out + bias
+
+    def _qmatmul(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float().contiguous()
+        M, N = x32.shape[0], self.data.shape[0]
+        out = torch.empty(M, N, dtype=torch.float32)
+        _lib().qmatmul(x32.data_ptr(), M, self.K, self.K, self.data.data_ptr(), FORMATS[self.fmt][0], N,
+                       self.data.shape[1], out.data_ptr(), N)
+        return out
+
+    def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
+        return PackedWeight(self.fmt, self.data[perm], self.K)
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Fused projections (q|k|v, gate|up): rows stacked; the parts must share format and K."""
+    if len({(p.fmt, p.K) for p in parts}) != 1:
+        raise ValueError("cannot fuse packed weights of different formats: " + ", ".join(p.fmt for p in parts))
+    return PackedWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].K)
+
+
+def quantize_int8(w: torch.Tensor) -> PackedWeight:
+    """Per output channel: scale = max|w| / 127, q = round(w / scale); row = [float32 scale][K x int8]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-30)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return PackedWeight("I8", torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=1), w.shape[1])
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One reused buffer per dtype for dequantized tiles (the model runs on one thread): a fresh
+    allocation of megabytes per call would page-fault on every GEMM."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[dtype] = torch.empty(max(numel, TILE_WEIGHTS), dtype=dtype)
+    return buf[:numel]
+
+
+def _lib():
+    lib = kernels.load(source="qmatmul")
+    if lib is None:
+        raise RuntimeError("--quantization needs the native qmatmul kernels, which could not be built "
+                           "(no C compiler?); run with --quantization none")
+    return lib
+
+
+@torch.inference_mode()
+def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
+    """The largest batch (rows of x) for which qmatmul on `w` is faster than dequantize + F.linear in
+    `dtype`, on this host, measured at 1, 2, 4, ... SMALL_M_MAX rows. Returns it and a line to log."""
+    times = {}
+    m, best = 1, 0
+    while m <= SMALL_M_MAX:
+        x = torch.randn(m, w.K).to(dtype)
+        t = []
+        for run in (lambda: w._qmatmul(x), lambda: w._dense_matmul(x, None)):
+            run()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                run()
+            t.append((time.perf_counter() - t0) / 3)
+        times[m] = t
+        if t[0] <= t[1]:
+            best = m
+        elif m > 8:
+            break
+        m *= 2
+    shown = ", ".join(f"{m}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for m, (a, b) in times.items())
+    return max(best, 1), f"packed up to {max(best, 1)} rows (qmatmul/dequantize+GEMM at {shown})"
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight stays packed; `linear()` in llama.py dispatches on the weight."""
+
+    def __init__(self, weight: PackedWeight, bias: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.bias = nn.Parameter(torch.empty(weight.shape[0], device="meta")) if bias else None
+        self.transposed = False
+
+
+class PackedEmbedding(nn.Module):
+    """Token embeddings looked up by dequantizing only the rows asked for (also a tied LM head)."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize(self.dtype, rows=ids)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight, packed or dense."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(m.weight.nbytes for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding)))
+
+
+def describe(model: nn.Module) -> str:
+    """e.g. 'packed Q4_1 x 210, Q8_0 x 1' for the memory-plan line."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, PackedEmbedding)):
+            counts[m.weight.fmt] = counts.get(m.weight.fmt, 0) + 1
+    return "packed " + ", ".join(f"{k} x {v}" for k, v in sorted(counts.items())) if counts else "dense"

@@ -1,0 +1,89 @@
+"""Packed weights (--quantization gguf | int8): every kernel code path this host runs (each ISA level x
+each block format x batches that take the in-register path, the chunked one and the dequantize +
+GEMM one) against gguf's own dequantizer and torch's fp32 F.linear."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import kernels
+from pagedserve.model import quant
+from pagedserve.model.quant import FORMATS, PackedWeight, quantize_int8
+
+LEVELS = kernels.host_levels()
+GGUF_FORMATS = [f for f in FORMATS if f != "I8"]
+# where the f16 scale fields of each block lie (byte offsets), the rest is random quants
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    _, per_block, block_bytes = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[fmt]:
+        scales = rng.uniform(-0.02, 0.02, size=(n, k // per_block)).astype(np.float16)
+        data[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // per_block, 2)
+    if fmt == "Q6_K":          # int8 scales: keep them moderate
+        data[:, :, 192:208] = rng.integers(-40, 40, size=(n, k // per_block, 16)).astype(np.int8).view(np.uint8)
+    return data.reshape(n, -1)
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch):
+    lib = kernels.load(request.param, source="qmatmul")
+    assert lib is not None and lib.qmatmul_isa().decode() == request.param
+    monkeypatch.setattr(quant, "_lib", lambda: lib)
+    return request.param
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_dequantize_equals_gguf(level, fmt):
+    n, k = 48, 512
+    raw = random_blocks(fmt, n, k)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).astype(np.float32))
+    w = PackedWeight(fmt, torch.from_numpy(raw), k)
+    torch.testing.assert_close(w.dequantize(), ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(w.dequantize(torch.bfloat16), ref.bfloat16(), rtol=0, atol=0)
+    rows = torch.tensor([5, 0, 47, 5])
+    torch.testing.assert_close(w.dequantize(rows=rows), ref[rows], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40])
+def test_matmul_matches_fp32(level, fmt, m):
+    n, k = 70, 768          # 70 rows: not a multiple of the kernel's 16-row work items
+    if fmt == "I8":
+        w = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    else:
+        w = PackedWeight(fmt, torch.from_numpy(random_blocks(fmt, n, k, seed=m)), k)
+    dense = w.dequantize()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    ref = F.linear(x.double(), dense.double()).float()
+    w.small_m = 16          # m = 40 takes the dequantize + GEMM path
+    got = w.matmul(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    got16 = w.matmul(x.bfloat16())
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_int8_is_per_output_channel():
+    w = torch.randn(6, 64) * torch.tensor([1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0])[:, None]
+    d = quantize_int8(w).dequantize()
+    err = (d - w).abs().amax(dim=1) / w.abs().amax(dim=1)
+    assert (err <= 0.5 / 127 + 1e-6).all()       # half a step of each row's own scale
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="Q4_1 weight of 576 inputs"):
+        PackedWeight("Q4_1", torch.zeros(4, 100, dtype=torch.uint8), 576)
+    with pytest.raises(ValueError, match="Q4_K"):
+        PackedWeight("Q4_K", torch.zeros(4, 144 * 2, dtype=torch.uint8), 576)    # 576 is not a multiple of 256
+
+
+def test_crossover_is_measured():
+    w = quantize_int8(torch.randn(256, 576))
+    m, line = quant.measure_crossover(w, torch.float32)
+    assert 1 <= m <= quant.SMALL_M_MAX and f"packed up to {m} rows" in line
