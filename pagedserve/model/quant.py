@@ -9,6 +9,7 @@ dequantized into the compute dtype and handed to torch's GEMM (AMX / AVX512-BF16
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -113,15 +114,16 @@ def quantize_int8(w: torch.Tensor) -> PackedWeight:
     return PackedWeight("I8", torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=1), w.shape[1])
 
 
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+_SCRATCH = threading.local()     # per thread: engines in one process may step at the same time
 
 
 def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """One reused buffer per dtype for dequantized tiles (the model runs on one thread): a fresh
-    allocation of megabytes per call would page-fault on every GEMM."""
-    buf = _SCRATCH.get(dtype)
+    """One reused buffer per (thread, dtype) for dequantized tiles: a fresh allocation of megabytes per
+    call would page-fault on every GEMM."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[dtype] = torch.empty(max(numel, TILE_WEIGHTS), dtype=dtype)
+        buf = bufs[dtype] = torch.empty(max(numel, TILE_WEIGHTS), dtype=dtype)
     return buf[:numel]
 
 

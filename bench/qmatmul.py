@@ -1,0 +1,52 @@
+"""The packed-weight kernels alone: one token's worth of the model's matrices (cold: each read once,
+as in decode), each matrix in cache (hot), and the crossover against dequantize + torch GEMM.
+
+Usage: python bench/qmatmul.py [--quantization gguf|int8] [--dtype float32|bfloat16]
+"""
+import argparse
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--dtype", default="float32")
+    a = ap.parse_args()
+    from pagedserve import kernels
+    from pagedserve.host import cpu_info
+    from pagedserve.model.loader import load_model, resolve_model
+    from pagedserve.model.quant import measure_crossover
+    dtype = getattr(torch, a.dtype)
+    model, _ = load_model(resolve_model(None), dtype, "cpu", a.quantization)
+    print(f"host: {cpu_info()[0]}; kernels {kernels.load(source='qmatmul').qmatmul_isa().decode()}; "
+          f"{torch.get_num_threads()} threads; weights {model.weights_desc}")
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    ws = [getattr(layer, n).weight for layer in model.layers for n in names]
+    xs = {w.K: torch.randn(1, w.K) for w in ws}
+    for _ in range(3):
+        t = time.perf_counter()
+        for w in ws:
+            w._qmatmul(xs[w.K])
+        dt = time.perf_counter() - t
+    nbytes = sum(w.nbytes for w in ws)
+    print(f"one token, cold (every layer matrix once, 1 row): {1e3 * dt:.2f} ms, {nbytes / dt / 1e9:.1f} GB/s")
+    blocks_per_row = {w.K: w.K // 32 for w in ws}
+    for n in names:
+        w = getattr(model.layers[0], n).weight
+        x = xs[w.K]
+        for _ in range(20):
+            w._qmatmul(x)
+        t = time.perf_counter()
+        for _ in range(200):
+            w._qmatmul(x)
+        dt = (time.perf_counter() - t) / 200
+        per_block = dt / (w.shape[0] * blocks_per_row[w.K]) * torch.get_num_threads()
+        print(f"  {n:13s} {str(tuple(w.shape)):13s} hot: {1e6 * dt:7.1f} us, {1e9 * per_block:.2f} ns per 32 weights "
+              f"per thread")
+    print("crossover:", measure_crossover(model.layers[0].gate_up_proj.weight, dtype)[1])
+
+
+if __name__ == "__main__":
+    main()
