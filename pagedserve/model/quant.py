@@ -61,6 +61,8 @@ class PackedWeight:
         if out is None or out.dtype != (torch.bfloat16 if bf16 else torch.float32):
             out = torch.empty(n, self.K, dtype=torch.bfloat16 if bf16 else torch.float32)
         idx = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
+        if idx is not None and idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.data.shape[0]):
+            raise IndexError(f"row index out of range for {self.data.shape[0]} rows")    # as nn.Embedding would
         _lib().qdequant(self.data.data_ptr(), FORMATS[self.fmt][0], self.K, self.data.shape[1],
                         None if idx is None else idx.data_ptr(), n, out.data_ptr(), int(bf16))
         return out if out.dtype == dtype else out.to(dtype)

@@ -47,6 +47,9 @@ def test_dequantize_equals_gguf(level, fmt):
     torch.testing.assert_close(w.dequantize(torch.bfloat16), ref.bfloat16(), rtol=0, atol=0)
     rows = torch.tensor([5, 0, 47, 5])
     torch.testing.assert_close(w.dequantize(rows=rows), ref[rows], rtol=1e-6, atol=1e-7)
+    for bad in ([48], [-1]):
+        with pytest.raises(IndexError):
+            w.dequantize(rows=torch.tensor(bad))
 
 
 @pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
