@@ -119,9 +119,8 @@ def main():
                "llamacpp": lambda: run_llamacpp(a.tokens, a.repeats)}[kind]()
         print("RESULT " + json.dumps(res), flush=True)
         return
-    from pagedserve.host import cpu_info
-    name, flags = cpu_info()
-    print(f"host: {name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")))))
+    from pagedserve.host import describe
+    print(f"host: {describe()}")
     jobs = [f"ours={p}" for p in (a.paths.split(",") if a.paths else default_paths())]
     jobs += [f"hf={d}" for d in a.hf_dtypes.split(",") if d]
     jobs += [] if a.no_llamacpp else ["llamacpp="]

@@ -90,9 +90,8 @@ def main():
     ap.add_argument("--baseline-dtypes", default="float32", help="comma-separated: each baseline once per dtype")
     a = ap.parse_args()
     reqs = load_workload(a.workload)
-    from pagedserve.host import cpu_info
-    name, flags = cpu_info()
-    print(f"host: {name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")))))
+    from pagedserve.host import describe
+    print(f"host: {describe()}")
     ours = []
     for path in a.paths.split(","):
         dtype, quant = path.split(":")

@@ -3,6 +3,7 @@ paths and cached native builds are chosen by these flags; hosts of one machine k
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -35,3 +36,9 @@ def auto_dtype(device: str) -> tuple[str, str]:
     if have:
         return "bfloat16", f"the CPU multiplies bf16 natively ({', '.join(have)})"
     return "float32", "the CPU has neither amx_bf16 nor avx512_bf16"
+
+
+def describe() -> str:
+    """One line naming the host for benchmark outputs: model, cores, vector and matrix flags."""
+    name, flags = cpu_info()
+    return f"{name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))

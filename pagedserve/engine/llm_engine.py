@@ -37,8 +37,8 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        dtype_name, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(args.device)
-        log.info("dtype %s (%s)", dtype_name, why if args.dtype == "auto" else "asked for")
+        dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
+        log.info("dtype %s (%s)", dtype_name, why)
         dtype = _DTYPES[dtype_name]
         self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization)
         self.tokenizer = load_tokenizer(self.source)

@@ -53,14 +53,18 @@ def _compiler() -> str | None:
 
 
 def build_path(level: str, cc: str, source: str = "paged_attention") -> tuple[str, list[str]]:
-    """Where the build for `level` is cached, and its compiler flags. The key covers the source, the
-    compiler's version, the flags, the level and this host's CPU flags (-mtune=native differs by host)."""
+    """Where the build for `level` is cached, and its compiler flags. The key covers the source (with
+    vec16.h), the compiler's version, the flags, the level and this host's CPU flags (-mtune=native
+    differs by host)."""
     flags = ["-O3", *LEVELS[level][1], "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
              "-Wno-psabi"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     host = " ".join(sorted(cpu_flags()))
-    with open(os.path.join(os.path.dirname(__file__), source + ".c"), "rb") as f:
-        key = hashlib.sha256(f.read() + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
+    text = b""
+    for name in (source + ".c", "vec16.h"):        # the source and the header every source includes
+        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+            text += f.read()
+    key = hashlib.sha256(text + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
     root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
     return os.path.join(root, "kernels", f"{source}-{level}-{key}.so"), flags
 

@@ -19,41 +19,19 @@
  *          queries of a chunk see the cached prefix and, causally, the chunk itself. Work items
  *          are (chunk, 16-query tile, kv head): the tile's rows (group x 16) are multiplied with
  *          16-key tiles of K (transposed into L1) and V with an online softmax per row. */
-#include <math.h>
-#include <omp.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "vec16.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 
-static int g_threads = 0;          /* 0: OpenMP's default (all cores); set to match torch's threads */
-void paged_attention_set_threads(int n) { g_threads = n > 0 ? n : 0; }
-#define THREADS (g_threads > 0 ? g_threads : omp_get_max_threads())
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-#define INLINE static inline __attribute__((always_inline))
+DEFINE_SET_THREADS(paged_attention_set_threads)
 
 #define KV_BYTES(dt) ((dt) == KV_F32 ? 4 : (dt) == KV_BF16 ? 2 : 1)
 #ifndef PREFETCH_KEYS
 #define PREFETCH_KEYS 64          /* how far ahead decode asks for K/V rows, in keys */
 #endif
 
-INLINE v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-INLINE v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-INLINE void store_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* 16 consecutive elements of a cache row, widened to float32. GCC's __builtin_convertvector turns
- * int8/uint16 -> int32 into scalar code, so the widening uses the ISA's own instructions. */
+/* 16 consecutive elements of a cache row, widened to float32 (uint16 -> int32 with the ISA's own
+ * instructions, as vec16.h widens bytes: GCC's __builtin_convertvector would scalarise it). */
 INLINE v16 load_kv(int dt, const void *base, int64_t i) {
     if (dt == KV_F32) return load_f32((const float *)base + i);
     if (dt == KV_BF16) {
@@ -71,29 +49,8 @@ INLINE v16 load_kv(int dt, const void *base, int64_t i) {
         return (v16)w;
 #endif
     }
-    const int8_t *p = (const int8_t *)base + i;
-#if defined(__AVX512F__)
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    v8 a = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    v8 b = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    v16 f;
-    for (int e = 0; e < 16; e++) f[e] = (float)p[e];
-    return f;
-#endif
+    return cvt(s8x16((const uint8_t *)base + i));
 }
-
-/* horizontal sum / max in log steps (4 shuffles), not 15 dependent lane extracts */
-INLINE float hsum(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 INLINE v8 max8(v8 a, v8 b) {
     const v8i gt = a > b;

@@ -20,38 +20,19 @@
  *
  * Vectors are GCC vector extensions of 16 lanes (one zmm with AVX-512, two ymm with AVX2); the
  * source is built per ISA level like paged_attention.c. */
-#include <math.h>
-#include <omp.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "vec16.h"
 
 enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5 };
 
-static int g_threads = 0;
-void qmatmul_set_threads(int n) { g_threads = n > 0 ? n : 0; }
-#define THREADS (g_threads > 0 ? g_threads : omp_get_max_threads())
+DEFINE_SET_THREADS(qmatmul_set_threads)
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-#define INLINE static inline __attribute__((always_inline))
 #define MAXM 8
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
 #endif
 
-INLINE v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-INLINE v16i splati(int x) { return (v16i){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-INLINE v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
 static float f16_to_f32(uint16_t h) {
     uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, u;
@@ -76,45 +57,6 @@ INLINE float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return F16[h];
-}
-
-/* 16 bytes widened to 16 int32 lanes (GCC's __builtin_convertvector scalarises this) */
-INLINE v16i u8x16(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    v8i a = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    v8i b = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    v16i r;
-    for (int e = 0; e < 16; e++) r[e] = p[e];
-    return r;
-#endif
-}
-
-INLINE v16i s8x16(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    v8i a = (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    v8i b = (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    v16i r;
-    for (int e = 0; e < 16; e++) r[e] = (int8_t)p[e];
-    return r;
-#endif
-}
-
-INLINE v16 cvt(v16i v) { return __builtin_convertvector(v, v16); }
-
-/* in log steps: a row of K = 576 has only 18 blocks, so a serial 8-add tail cost ~1/3 of the row */
-INLINE float hsum(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* Q4_K: the 6-bit (scale, min) of sub-block j of 8, as ggml's get_scale_min_k4 */

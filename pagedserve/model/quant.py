@@ -57,15 +57,20 @@ class PackedWeight:
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """All rows (or the given row indices: embedding lookups) as a dense (n, K) tensor."""
         n = self.data.shape[0] if rows is None else rows.numel()
-        bf16 = dtype == torch.bfloat16
-        if out is None or out.dtype != (torch.bfloat16 if bf16 else torch.float32):
-            out = torch.empty(n, self.K, dtype=torch.bfloat16 if bf16 else torch.float32)
+        native = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32      # what the kernel writes
+        if out is None or out.dtype != native:
+            out = torch.empty(n, self.K, dtype=native)
         idx = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
         if idx is not None and idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.data.shape[0]):
             raise IndexError(f"row index out of range for {self.data.shape[0]} rows")    # as nn.Embedding would
-        _lib().qdequant(self.data.data_ptr(), FORMATS[self.fmt][0], self.K, self.data.shape[1],
-                        None if idx is None else idx.data_ptr(), n, out.data_ptr(), int(bf16))
+        self._dequant_into(out, idx)
         return out if out.dtype == dtype else out.to(dtype)
+
+    def _dequant_into(self, out: torch.Tensor, idx: torch.Tensor | None = None, first: int = 0) -> None:
+        """Rows idx (or rows first .. first + len(out)) into out, float32 or bfloat16."""
+        _lib().qdequant(self.data[first].data_ptr(), FORMATS[self.fmt][0], self.K, self.data.shape[1],
+                        None if idx is None else idx.data_ptr(), out.shape[0], out.data_ptr(),
+                        int(out.dtype == torch.bfloat16))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ W.T -> (M, N) in x's dtype."""
@@ -79,14 +84,17 @@ class PackedWeight:
         """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile."""
         N = self.data.shape[0]
         rows = min(N, max(16, TILE_WEIGHTS // self.K))
+        if x.dtype not in (torch.float32, torch.bfloat16):        # the kernel writes only those two
+            return F.linear(x, self.dequantize(x.dtype), bias)
         scratch = _scratch(x.dtype, rows * self.K)
         if rows == N:
-            return F.linear(x, self.dequantize(x.dtype, out=scratch.view(N, self.K)), bias)
+            self._dequant_into(scratch.view(N, self.K))
+            return F.linear(x, scratch.view(N, self.K), bias)
         out = torch.empty(x.shape[0], N, dtype=x.dtype)
         for n0 in range(0, N, rows):
-            n1 = min(N, n0 + rows)
-            tile = PackedWeight(self.fmt, self.data[n0:n1], self.K)
-            out[:, n0:n1] = F.linear(x, tile.dequantize(x.dtype, out=scratch[: (n1 - n0) * self.K].view(-1, self.K)))
+            tile = scratch[: (min(N, n0 + rows) - n0) * self.K].view(-1, self.K)
+            self._dequant_into(tile, first=n0)
+            out[:, n0:n0 + tile.shape[0]] = F.linear(x, tile)
         return out if bias is None else out + bias
 
     def _qmatmul(self, x: torch.Tensor) -> torch.Tensor:
