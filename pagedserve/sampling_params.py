@@ -12,6 +12,35 @@ MAX_LOGPROBS = 20                 # OpenAI's limit for logprobs / top_logprobs
 MAX_STOP_STRINGS = 64             # every new token is checked against each one
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024             # entries per request (each is a scatter into the row's logits)
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema, any JSON object, a regex, one
+    of a list of strings, or a Lark grammar. Enforced as a token mask by `pagedserve.core.grammar`."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"           # the request field it came from, named in errors
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ParamError(self.param, f"{self.param}: give exactly one of json, json_object, regex, choice, "
+                                         f"grammar (got {', '.join(kinds) or 'none'})")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ParamError(self.param, f"{self.param}: choice must be a non-empty list of strings")
+        for k in ("regex", "grammar"):
+            if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
+                raise ParamError(self.param, f"{self.param}: {k} must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ParamError(self.param, f"{self.param}: json must be a JSON schema (an object or its text)")
 
 
 @dataclass(slots=True)
@@ -32,7 +61,10 @@ class SamplingParams:
     max_tokens: int | None = 16                 # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None                 # top-k logprobs per generated token (the sampled one is always added)
-    prompt_logprobs: None = None                # accepted for compatibility; must stay None
+    prompt_logprobs: int | None = None          # top-k logprobs per prompt token (the prompt's own token is added)
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True                     # False: token ids only, no text
     skip_special_tokens: bool = True
     use_beam_search: bool = False               # beam search of width `best_of or n` (vLLM v0's switch)
     best_of: int | None = None
@@ -114,7 +146,15 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
-            bad("prompt_logprobs", "is not supported")
+            num("prompt_logprobs", True)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            self._check_logit_bias(bad)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
+        if not self.detokenize and self.stop:
+            bad("stop", "needs detokenize=True (stop strings are matched in the text)")
         if self.best_of is not None:
             num("best_of", True)
             if self.best_of < self.n:
@@ -127,6 +167,19 @@ class SamplingParams:
                 bad("temperature", "must be 0 with use_beam_search")
             if self.stop:
                 bad("stop", "is not supported with use_beam_search")
+
+
+    def _check_logit_bias(self, bad) -> None:
+        lb = self.logit_bias
+        if not isinstance(lb, dict):
+            bad("logit_bias", "must map token ids to biases")
+        if len(lb) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} entries")
+        for t, b in lb.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                bad("logit_bias", f"keys must be non-negative token ids ({t!r} is not)")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                bad("logit_bias", f"biases must be numbers in [-100, 100] ({t}: {b!r} is not)")
 
 
 @dataclass(slots=True)

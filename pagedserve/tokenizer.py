@@ -30,13 +30,24 @@ def load_tokenizer(src: ModelSource):
         raise ModelLoadError(f"cannot build a tokenizer for {src.path}: {e}") from e
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    if not tokenizer.chat_template:
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None, chat_template: str | None = None,
+                        continue_final_message: bool = False, **template_kwargs) -> list[int]:
+    """Token ids of the conversation. `chat_template` replaces the model's own (a server's
+    --chat-template); `tools` and `template_kwargs` reach the template as variables."""
+    if not (chat_template or tokenizer.chat_template):
         raise ValueError("messages: this model has no chat template; use a plain prompt instead")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message: not with add_generation_prompt")
+        if messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        tools=tools, chat_template=chat_template,
+                                        continue_final_message=continue_final_message, **template_kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):   # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

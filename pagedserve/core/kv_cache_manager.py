@@ -76,8 +76,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks, capped at num_tokens - 1 so the last token is
-        always computed (its logits are needed)."""
-        if not self.enable_caching:
+        always computed (its logits are needed). A request still owed prompt logprobs gets no hit: its
+        prompt is recomputed (its blocks still enter the cache for others), since the logits of a
+        cached prefix were never kept."""
+        if not self.enable_caching or owes_prompt_logprobs(req):
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks * self.block_size)
@@ -200,3 +202,7 @@ class KVCacheManager:
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)
         return True
+
+
+def owes_prompt_logprobs(req: Request) -> bool:
+    return req.params.prompt_logprobs is not None and req.prompt_logprobs_done < req.num_prompt_tokens - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -48,6 +49,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator_seed: int | None = None
+    grammar: Any = None                          # structured outputs: the sequence's matcher (core/grammar.py)
+    prompt_logprobs_done: int = 0                # prompt positions whose logprobs were scheduled (never twice)
     # timestamps (monotonic seconds) for latency metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.step import ScheduledSeq, SchedulerOutput, SeqUpdate
+from pagedserve.core.step import PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
 from pagedserve.errors import ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
@@ -54,6 +54,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
+        self.grammar = None                       # a core.grammar.GrammarCompiler once a request is constrained
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -100,6 +101,8 @@ class Scheduler:
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings
         if self.cfg.policy == "static":
             self.static_batch.add(child.request_id)
+        if parent.grammar is not None:            # the parent has not consumed its own first token yet
+            child.grammar = parent.grammar.deep_copy()
         return child
 
     def _push_waiting(self, req: Request) -> None:
@@ -113,11 +116,25 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(plan, budget)
         plan.sort(key=lambda p: p[1] != 1)        # decodes first: the runner batches them
-        seqs = tuple(ScheduledSeq.of(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id),
-                                     req.num_computed_tokens + n == req.num_tokens) for req, n in plan)
-        for req, n in plan:
-            req.num_computed_tokens += n
-        return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted))
+        seqs = tuple(self._scheduled(req, n) for req, n in plan)
+        constrained = tuple(s.request_id for s in seqs if s.sampling is not None
+                            and self.requests[s.request_id].grammar is not None)
+        mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
+        return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        """The step's record of one sequence; advances its progress counters."""
+        start = req.num_computed_tokens
+        plp = None
+        if req.params.prompt_logprobs is not None:   # rows at positions lo..hi-1 predict prompt tokens lo+1..hi
+            lo, hi = max(start, req.prompt_logprobs_done), min(start + n, req.num_prompt_tokens - 1)
+            if hi > lo:
+                plp = PromptLogprobsRow(lo - start, tuple(req.prompt_token_ids[lo + 1:hi + 1]),
+                                        req.params.prompt_logprobs)
+                req.prompt_logprobs_done = hi
+        seq = ScheduledSeq.of(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens, plp)
+        req.num_computed_tokens += n
+        return seq
 
     def _chunk(self, req: Request, budget: int, num_computed: int | None = None) -> int:
         done = req.num_computed_tokens if num_computed is None else num_computed
@@ -229,9 +246,13 @@ class Scheduler:
         req.append_token(tok)
         p = req.params
         status = None
+        if req.grammar is not None:
+            req.grammar.consume_token(tok)        # the mask allowed tok; EOS is allowed once the grammar accepts
         if req.num_output_tokens >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = tok if tok in p.stop_token_ids else None
+        elif req.grammar is not None and req.grammar.is_stopped():
+            status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -3,6 +3,7 @@ only these (never a live `Request`); each is immutable and holds plain ids and i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.request import Request
@@ -31,6 +32,16 @@ class SamplingRow:
 
 
 @dataclass(slots=True, frozen=True)
+class PromptLogprobsRow:
+    """Prompt logprobs from this chunk: rows first..first+len(targets)-1 of the chunk predict `targets`
+    (the prompt tokens after them); `k` top logprobs each besides the target's own."""
+
+    first: int                          # offset of the first such row within the chunk
+    targets: tuple[int, ...]
+    k: int
+
+
+@dataclass(slots=True, frozen=True)
 class ScheduledSeq:
     """One sequence's share of the step: compute `token_ids` at positions start.. of it."""
 
@@ -39,6 +50,7 @@ class ScheduledSeq:
     start: int
     block_ids: tuple[int, ...]          # its block table: physical block of each logical block
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
+    prompt_logprobs: PromptLogprobsRow | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,9 +62,10 @@ class ScheduledSeq:
         return len(self.token_ids) == 1
 
     @classmethod
-    def of(cls, req: Request, start: int, n: int, block_ids, sample: bool) -> ScheduledSeq:
+    def of(cls, req: Request, start: int, n: int, block_ids, sample: bool,
+           prompt_logprobs: PromptLogprobsRow | None = None) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]), start, tuple(block_ids),
-                   SamplingRow.of(req) if sample else None)
+                   SamplingRow.of(req) if sample else None, prompt_logprobs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +73,8 @@ class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...] = ()       # decodes first
     block_ops: BlockOps = field(default_factory=BlockOps)   # copies to make before the forward
     preempted: tuple[str, ...] = ()
+    grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
+    grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
 
     @property
     def num_decode_tokens(self) -> int:

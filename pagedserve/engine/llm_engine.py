@@ -9,6 +9,7 @@ import time
 import torch
 
 from pagedserve.config import EngineArgs, parse_bytes
+from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
@@ -135,6 +136,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", params.logit_bias or ())
         text, ids = self.tokenize(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
@@ -142,9 +144,16 @@ class LLMEngine:
                       num_samples=params.n, generator_seed=None if params.seed is None else params.seed % 2**64)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if params.structured_outputs is not None:
+            req.grammar = self._grammar_compiler().matcher(params.structured_outputs)
         self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(request_id, text, req, stream)
         return request_id
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.scheduler.grammar is None:
+            self.scheduler.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self.scheduler.grammar
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""
@@ -203,6 +212,10 @@ class LLMEngine:
     def _postprocess(self, so: SchedulerOutput, ro: RunnerOutput) -> list[RequestState]:
         sampled = {rid: [smp.token_id for smp in smps] for rid, smps in ro.sampled.items()}
         touched: dict[str, RequestState] = {}
+        for rid, lps in ro.prompt_logprobs.items():
+            st = self.states[rid]                 # prompt chunks run before any fork: rid is the request's own
+            st.prompt_logprobs.extend(lps)
+            touched[rid] = st
         for u in self.scheduler.update_from_output(so, sampled):
             st = self.states[_owner_id(u.request)]
             if u.sample_index:

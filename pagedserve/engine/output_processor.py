@@ -51,6 +51,8 @@ class RequestState:
     stream: bool                                # deltas after every step, else one output at the end
     seqs: list[SeqOutput] = field(default_factory=list)
     error: RequestFailure | None = None
+    prompt_logprobs: list | None = None         # [None, {...}, ...] as the prompt's chunks are computed
+    prompt_logprobs_sent: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -72,13 +74,15 @@ class OutputProcessor:
 
     def new_state(self, request_id: str, prompt: str | None, req: Request, stream: bool) -> RequestState:
         st = RequestState(request_id, prompt, stream)
+        if req.params.prompt_logprobs is not None:
+            st.prompt_logprobs = [None]
         self.add_seq(st, req)
         return st
 
     def add_seq(self, st: RequestState, req: Request) -> None:
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens) \
-            if st.stream or p.stop else None
+            if (st.stream or p.stop) and p.detokenize else None
         hold = max(len(s) for s in p.stop) - 1 if p.stop else 0
         st.seqs.append(SeqOutput(req, detok, hold, logprobs=[] if p.logprobs is not None else None))
 
@@ -101,7 +105,7 @@ class OutputProcessor:
             self.counters.count_finish(req.status.value)
             if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH:
                 seq.add_text(seq.detok.flush())
-            if seq.detok is None:
+            if seq.detok is None and p.detokenize:
                 seq.add_text(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens))
         seq.settle()
 
@@ -134,7 +138,11 @@ class OutputProcessor:
                                          None if seq.logprobs is None else seq.logprobs[start:],
                                          r.status.value if r.status.finished else None, r.stop_reason))
         r0 = st.seqs[0].request
+        plp = None
+        if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and (
+                finished or (st.stream and len(st.prompt_logprobs) == r0.num_prompt_tokens)):
+            plp, st.prompt_logprobs_sent = st.prompt_logprobs, True
         m = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
                            time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs))
         return RequestOutput(st.request_id, st.prompt, r0.prompt_token_ids, outs, finished,
-                             max(0, r0.num_cached_tokens), m, st.error)
+                             max(0, r0.num_cached_tokens), m, st.error, plp)

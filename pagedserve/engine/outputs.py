@@ -49,6 +49,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: RequestFailure | None = None      # set when the engine failed the request
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
+    # a stream carries it once, in the first output after the prompt is done
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(slots=True)

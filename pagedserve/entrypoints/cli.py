@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(`pagedserve simulate --calibrate-from` fits the cost model to it)")
     s.add_argument("--dead-engine-grace", type=float, default=2.0,
                    help="if the engine dies, seconds to answer clients before exiting with status 1")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the model's own")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (needs --tool-call-parser and a template that renders tools)")
+    from pagedserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
     add_engine_flags(s, positional_model=True)
     s.set_defaults(fn=cmd_serve)
     m = sub.add_parser("simulate", help="capacity planning: the real scheduler on a step-time cost model")

@@ -1,13 +1,18 @@
-"""OpenAI request bodies (pydantic) and the mapping to SamplingParams."""
+"""OpenAI request bodies (pydantic) and the mapping to SamplingParams. An unknown field is a 400
+that names it; the few fields accepted and ignored are listed in `IGNORED_FIELDS` (and the README)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from pagedserve.errors import ParamError
+from pagedserve.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams,
+                                        StructuredOutputsParams)
 
 INT32_MAX = 2**31 - 1
+# accepted and ignored: they change nothing a single-model server without storage does
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
 def check_utf8(value: Any) -> Any:
@@ -28,8 +33,8 @@ def check_utf8(value: Any) -> Any:
 
 
 class _Body(BaseModel):
-    """Every number finite, every string valid Unicode: a bad field is a 400 that names it."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Every number finite, every string valid Unicode, no unknown field: a bad field is a 400 that names it."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -39,6 +44,26 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Common(_Body):
@@ -61,20 +86,72 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None      # token id (as a string, JSON keys are) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None   # vLLM's
+    guided_json: dict[str, Any] | str | None = None          # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)     # 0 only with echo: the prompt, scored
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)      # only = n (no server-side ranking)
+    suffix: str | None = None                                   # only null (no insertion mode)
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -83,9 +160,53 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
-def to_sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def structured_outputs(req: _Common) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, under whichever of its names (400 if more than one)."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ParamError("response_format", "response_format: type json_schema needs json_schema.schema")
+        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        found.append(("structured_outputs", {k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                                                ("regex", so.regex), ("choice", so.choice),
+                                                                ("grammar", so.grammar)) if v}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, {key: getattr(req, name)}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ParamError(found[1][0], f"{found[1][0]}: only one constraint per request (also got {found[0][0]})")
+    name, kw = found[0]
+    return StructuredOutputsParams(**kw, param=name)
+
+
+def logit_bias(req: _Common) -> dict[int, float] | None:
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for k, v in req.logit_bias.items():
+        if not k.isdigit():
+            raise ParamError("logit_bias", f"logit_bias: keys must be token ids, got {k!r}")
+        out[int(k)] = v
+    return out
+
+
+def to_sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
+                       constraint: StructuredOutputsParams | None = None, **extra) -> SamplingParams:
     def pick(v, default):
         return default if v is None else v
     return SamplingParams(
@@ -94,10 +215,14 @@ def to_sampling_params(req: _Common, max_tokens: int | None, logprobs: int | Non
         frequency_penalty=pick(req.frequency_penalty, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, max_tokens=max_tokens,
-        min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=logit_bias(req),
+        structured_outputs=constraint if constraint is not None else structured_outputs(req), **extra)
 
 
-def message_text(m: ChatMessage) -> dict:
+def message_dict(m: ChatMessage) -> dict:
+    """A message as chat templates take it: text content; an assistant's tool calls with their
+    arguments parsed (HF templates expect a mapping); a tool result's id and name."""
     content = m.content
     if isinstance(content, list):   # [{"type": "text", "text": ...}, ...]
         parts = []
@@ -106,5 +231,35 @@ def message_text(m: ChatMessage) -> dict:
                 raise ValueError(f"messages: content part type {p.get('type')!r} is not supported (only text)")
             parts.append(str(p.get("text", "")))
         content = "".join(parts)
-    return {"role": m.role, "content": content or ""}
+    out: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    return out
 
+
+def _arguments(text: str) -> Any:
+    import json
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError("messages: a tool call's function.arguments must be a JSON string") from None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)

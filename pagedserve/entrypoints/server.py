@@ -51,6 +51,8 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
+    chat_template: str | None = None      # --chat-template: replaces the model's own
+    tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
 
 
 class Guard:
@@ -125,6 +127,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # a union type adds the member's type name to the location: keep the field path only
         field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-"))) or None
+        if err.get("type") == "extra_forbidden":
+            return error_response(400, f"{field}: unknown field (pagedserve does not support it; the README lists "
+                                       f"the fields it accepts and ignores)", field)
         return error_response(400, f"{field or 'body'}: {err.get('msg', 'invalid value')}", field)
 
     @app.exception_handler(StarletteHTTPException)
@@ -160,14 +165,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
               max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
-              engine_thread: bool = True) -> FastAPI:
+              engine_thread: bool = True, chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
     from pagedserve.entrypoints.routes import router
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
     aengine.on_step = metrics.on_step
-    state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name)
+    state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
+                        chat_template=chat_template, tool_call_parser=tool_call_parser)
     app.state.server = state
     app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
     app.add_middleware(Guard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -201,9 +208,16 @@ def run_server(args: EngineArgs, ns) -> int:
 
     import uvicorn
 
+    template = None
+    if ns.chat_template:
+        with open(ns.chat_template) as f:
+            template = f.read()
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine = LLMEngine(args)
     app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
-                    engine_thread=False)
+                    engine_thread=False, chat_template=template,
+                    tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None)
     state: ServerState = app.state.server
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     loop = asyncio.new_event_loop()

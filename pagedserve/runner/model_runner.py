@@ -6,18 +6,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from pagedserve.core.step import SamplingRow, SchedulerOutput
+from pagedserve.core.step import PromptLogprobsRow, SamplingRow, SchedulerOutput
 from pagedserve import kernels
 from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.runner.sampler import SampledToken, Sampler
+from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)   # request id -> samples (n on a fork)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # request id -> this chunk's
     forward_s: float = 0.0
     prepare_s: float = 0.0
     sample_s: float = 0.0
@@ -75,7 +77,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
     def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                    list[SamplingRow]]:
+                                                    list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]]]:
         """Decode rows first (the scheduler lists them first), then prefill chunks."""
         bs = self.block_size
         ids: list[int] = []
@@ -88,6 +90,7 @@ class ModelRunner:
         cu_q = [0]
         logit_rows: list[int] = []
         sample_rows: list[SamplingRow] = []
+        prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
         for s in so.seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
@@ -111,6 +114,8 @@ class ModelRunner:
                 k = s.sampling.num_samples
                 logit_rows.extend([row0 + n - 1] * k)
                 sample_rows.extend([s.sampling] * k)
+            if s.prompt_logprobs is not None:
+                prompt_rows.append((s.request_id, row0 + s.prompt_logprobs.first, s.prompt_logprobs))
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(dec_lens),
                                native=self.use_native)
         if dec_lens:
@@ -120,7 +125,8 @@ class ModelRunner:
             md.prefill_block_tables = _padded(pre_tables)
             md.prefill_cu_q = torch.tensor(cu_q, dtype=torch.long)
             md.prefill_context_lens = torch.tensor(pre_lens, dtype=torch.long)
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows)
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
+                prompt_rows)
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -130,22 +136,50 @@ class ModelRunner:
         if not so.seqs:
             return out
         t0 = time.perf_counter()
-        input_ids, positions, md, rows, sample_rows = self.prepare(so)
+        input_ids, positions, md, rows, sample_rows, prompt_rows = self.prepare(so)
         dev = self.device
         if dev.type != "cpu":
             input_ids, positions = input_ids.to(dev), positions.to(dev)
             md = _to_device(md, dev)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, md)
+        # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
+        for _, first, plp in prompt_rows:
+            rows.extend(range(first, first + len(plp.targets)))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
         t2 = time.perf_counter()
         if logits is not None:
-            samples = self.sampler(logits.cpu(), sample_rows)
+            logits = logits.cpu()
+            if prompt_rows:
+                out.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows):], prompt_rows)
+                logits = logits[:len(sample_rows)]
+            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows)) if sample_rows else []
             for row, smp in zip(sample_rows, samples):
                 out.sampled.setdefault(row.request_id, []).append(smp)
         t3 = time.perf_counter()
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, t3 - t2
         return out
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> dict[str, list[dict[int, Logprob]]]:
+    """Each prompt row's logprob of the prompt token that follows it, with its rank and the top k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    targets = [t for _, _, plp in prompt_rows for t in plp.targets]
+    out, i = {}, 0
+    for rid, _, plp in prompt_rows:
+        n = len(plp.targets)
+        out[rid] = logprobs_of(lp[i:i + n], targets[i:i + n], plp.k)
+        i += n
+    return out
+
+
+def _grammar_masks(so: SchedulerOutput, sample_rows: list[SamplingRow]) -> tuple[list[int], np.ndarray] | None:
+    """(sample row indices, their packed masks) for the constrained rows (an n > 1 fork's rows share one)."""
+    if not so.grammar_rows:
+        return None
+    where = {rid: i for i, rid in enumerate(so.grammar_rows)}
+    idx = [(r, where[row.request_id]) for r, row in enumerate(sample_rows) if row.request_id in where]
+    return [r for r, _ in idx], so.grammar_bitmask[[m for _, m in idx]]
 
 
 def _padded(tables: list[tuple[int, ...]]) -> torch.Tensor:

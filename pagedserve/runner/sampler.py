@@ -1,9 +1,11 @@
-"""Sampling, vectorised over the rows that sample this step: penalties, temperature, top-k, top-p,
-min-p, per-request seeded generators, logprobs with ranks. Greedy rows take the argmax."""
+"""Sampling, vectorised over the rows that sample this step: penalties, logit bias, grammar masks,
+temperature, top-k, top-p, min-p, per-request seeded generators, logprobs with ranks. Greedy rows
+take the argmax. Logprobs are the model's own (before penalties, bias and masks), as vLLM's default."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.core.step import SamplingRow
@@ -38,12 +40,17 @@ class Sampler:
             g = self.req_generators[row.request_id] = torch.Generator().manual_seed(row.generator_seed)
         return g
 
-    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> list[SampledToken]:
-        """logits: (R, V) float32, one row per sample to draw (a request may own several rows)."""
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow],
+                 masks: tuple[list[int], np.ndarray] | None = None) -> list[SampledToken]:
+        """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
+        masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains."""
         params = [r.params for r in reqs]
         want_lp = [p.logprobs for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
         logits = self._apply_penalties(logits, reqs)
+        logits = _apply_logit_bias(logits, reqs)
+        if masks is not None:
+            logits = _apply_masks(logits, *masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -54,7 +61,7 @@ class Sampler:
         if raw_lp is not None:
             for i, k in enumerate(want_lp):
                 if k is not None:
-                    out[i].logprobs = _logprobs(raw_lp[i], ids[i], k)
+                    out[i].logprobs = logprobs_of(raw_lp[i:i + 1], [ids[i]], k)[0]
         return out
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
@@ -121,12 +128,41 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return torch.full_like(x, float("-inf")).scatter(1, idx, srt)
 
 
-def _logprobs(lp: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-    chosen = lp[token].item()
-    out = {token: Logprob(chosen, int((lp > chosen).sum().item()) + 1)}
+def _apply_logit_bias(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
+    rows, cols, vals = [], [], []
+    V = logits.shape[1]
+    for i, r in enumerate(reqs):
+        for t, b in (r.params.logit_bias or {}).items():
+            if t < V:
+                rows.append(i), cols.append(t), vals.append(float(b))
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True)
+    return logits
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[int], packed: np.ndarray) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows to -inf (bit t of a packed row = token t allowed)."""
+    V = logits.shape[1]
+    allowed = np.unpackbits(np.ascontiguousarray(packed).view(np.uint8), axis=1, bitorder="little")[:, :V]
+    logits = logits.clone()
+    idx = torch.tensor(rows)
+    logits[idx] = logits[idx].masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+    return logits
+
+
+def logprobs_of(lp: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities `lp` (N, V): the target's logprob and rank, then the top k."""
+    t = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
+    chosen = lp.gather(1, t)
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    out = [{tok: Logprob(c, r)} for tok, c, r in zip(targets, chosen, ranks)]
     if k:
-        vals, ids = lp.topk(k)
-        for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
-            if t not in out:
-                out[t] = Logprob(v, rank)
+        vals, ids = lp.topk(k, dim=1)
+        for d, vs, ts in zip(out, vals.tolist(), ids.tolist()):
+            for rank, (v, tok) in enumerate(zip(vs, ts), start=1):
+                if tok not in d:
+                    d[tok] = Logprob(v, rank)
     return out

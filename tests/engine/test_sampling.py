@@ -90,7 +90,7 @@ def test_penalties_change_output(llm):
     ("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
     ("seed", "x"), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("stop", [""]), ("stop_token_ids", [-1]), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
-    ("prompt_logprobs", 1), ("best_of", 0), ("length_penalty", "a"), ("temperature", float("nan")),
+    ("prompt_logprobs", 21), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1}), ("best_of", 0), ("length_penalty", "a"), ("temperature", float("nan")),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

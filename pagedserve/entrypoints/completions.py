@@ -1,0 +1,142 @@
+"""POST /v1/completions, as the OpenAI spec and vLLM have it: one or many prompts (text or token ids;
+choice index = prompt index * n + sample), `echo` (the prompt first, with its tokens' logprobs when
+`logprobs` is set: the first is null), `max_tokens` 0 with echo (the prompt scored, nothing
+generated), `logprobs` with tokens, token_logprobs, top_logprobs and text_offset."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
+from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
+                                              submit, usage_counts)
+from pagedserve.entrypoints.server import RequestError, ServerState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: Request):
+    st = state(http)
+    if body.suffix:
+        raise RequestError("suffix", "suffix: insertion (text after the completion) is not supported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise RequestError("best_of", "best_of: only equal to n (the server does not rank samples)")
+    max_tokens = body.max_tokens
+    if body.max_completion_tokens is not None and "max_tokens" not in body.model_fields_set:
+        max_tokens = body.max_completion_tokens
+    if max_tokens == 0 and not body.echo:
+        raise RequestError("max_tokens", "max_tokens: 0 is only allowed with echo (score the prompt, generate nothing)")
+    check_n(st, body.n)
+    echo_only = body.echo and max_tokens == 0
+    # echo_only still samples one token (the last prompt row's logits are computed anyway); it is dropped
+    params = to_sampling_params(body, 1 if echo_only else max_tokens, body.logprobs,
+                                prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream)
+    created = int(time.time())
+    if body.stream:
+        return sse(_chunks(st, rid, created, streams, body, prompts, echo_only), streams)
+    outs = await collect(http, streams)
+    choices = [_choice(st, body, p, out, o, i * body.n + o.index, echo_only, echo=body.echo)
+               for i, (p, out) in enumerate(zip(prompts, outs)) for o in out.outputs]
+    completion = 0 if echo_only else sum(len(o.token_ids) for out in outs for o in out.outputs)
+    return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+            "choices": choices,
+            "usage": usage_counts(sum(len(o.prompt_token_ids) for o in outs), completion,
+                                  sum(o.num_cached_tokens for o in outs))}
+
+
+def _prompts(st: ServerState, prompt) -> list[dict]:
+    """Each prompt as {"prompt_token_ids", "prompt"} (tokenized here, in a worker thread, not in the
+    engine's step loop)."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise RequestError("prompt", "prompt: must not be empty")
+    tok = st.engine.tokenizer
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            out.append({"prompt_token_ids": list(tok(p)["input_ids"]), "prompt": p})
+        else:
+            out.append({"prompt_token_ids": list(p), "prompt": None})
+    return out
+
+
+def _prompt_text(st: ServerState, prompt: dict) -> str:
+    if prompt["prompt"] is not None:
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    V = st.engine.model_config.vocab_size
+    return st.engine.tokenizer.decode([t for t in ids if 0 <= t < V])
+
+
+def _choice(st: ServerState, body: CompletionRequest, prompt: dict, out: RequestOutput, o: CompletionOutput,
+            index: int, echo_only: bool, echo: bool) -> dict:
+    """One choice; `echo` puts the prompt (and its logprobs) first."""
+    text, ids, lps = "", [], []
+    if echo:
+        text = _prompt_text(st, prompt)
+        ids = list(out.prompt_token_ids)
+        lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(ids)
+    if not echo_only:
+        text += o.text
+        ids += o.token_ids
+        lps += o.logprobs or []
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(st.engine.tokenizer, ids, lps)
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+
+async def _chunks(st: ServerState, rid: str, created: int, streams, body: CompletionRequest, prompts: list[dict],
+                  echo_only: bool):
+    def wrap(choices):
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": choices}
+
+    usage = Usage()
+    echoed: set[int] = set()
+    offsets: dict[int, int] = {}           # choice index -> characters sent so far (text_offset)
+    async for i, item in deltas(streams, usage):
+        if isinstance(item, RequestError):
+            yield item
+            return
+        if isinstance(item, RequestOutput):
+            if body.echo and i not in echoed and (body.logprobs is None or item.prompt_logprobs is not None):
+                echoed.add(i)
+                for k in range(body.n):
+                    c = _choice(st, body, prompts[i], item, CompletionOutput(k, "", [], None, None), i * body.n + k,
+                                echo_only=True, echo=True)
+                    offsets[i * body.n + k] = len(c["text"])
+                    yield wrap([c | {"finish_reason": None, "stop_reason": None}])
+            continue
+        o: CompletionOutput = item
+        index = i * body.n + o.index
+        if echo_only:
+            if o.finish_reason is not None:
+                yield wrap([{"index": index, "text": "", "logprobs": None, "finish_reason": o.finish_reason,
+                             "stop_reason": o.stop_reason}])
+            continue
+        lp = None
+        if body.logprobs is not None:
+            lp = completion_logprobs(st.engine.tokenizer, o.token_ids, o.logprobs or [], offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(o.text)
+        yield wrap([{"index": index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
+                     "stop_reason": o.stop_reason}])
+    if body.stream_options and body.stream_options.include_usage:
+        u = usage.body()
+        if echo_only:
+            u = usage_counts(u["prompt_tokens"], 0, u["prompt_tokens_details"]["cached_tokens"])
+        yield wrap([]) | {"usage": u}

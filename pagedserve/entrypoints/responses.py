@@ -1,0 +1,225 @@
+"""What the OpenAI routes share: submitting a request's prompts (one engine request each), collecting
+their outputs or streaming their deltas (several prompts' streams merged), failures answered as
+failures (a 5xx / 408 in OpenAI's error JSON, or an SSE `error` event before `[DONE]`, never a
+finished completion), usage, and the logprobs shapes of both APIs."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedserve.engine.async_engine import RequestStream
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.entrypoints.server import RequestError, ServerState, error_body
+from pagedserve.errors import EngineDeadError
+
+# how each kind of engine failure is answered: (HTTP status, OpenAI error type)
+FAILURE_STATUS = {"internal_error": (500, "server_error"), "engine_dead": (500, "engine_dead"),
+                  "timeout": (408, "timeout_error"), "shutdown": (503, "server_shutting_down")}
+
+
+def state(http: Request) -> ServerState:
+    return http.app.state.server
+
+
+def check_n(st: ServerState, n: int) -> None:
+    limit = st.engine.scheduler.cfg.max_num_seqs
+    if n > limit:
+        raise RequestError("n", f"n ({n}) exceeds max_num_seqs ({limit}): each sample is a running sequence")
+
+
+async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,
+                 stream: bool) -> list[RequestStream]:
+    """One engine request per prompt (ids rid, or rid-0, rid-1, ...); if one is refused, the ones
+    already in are aborted and the error goes to the client."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+            streams.append(await st.aengine.add_request(sub_id, p, params, priority, stream=stream))
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+def failure(out: RequestOutput) -> RequestError | None:
+    """The error a finished output stands for: the engine failed it, or it was aborted."""
+    if out.error is not None:
+        status, type_ = FAILURE_STATUS.get(out.error.kind, (500, "server_error"))
+        return RequestError(None, out.error.message, status, type_)
+    if any(o.finish_reason == "abort" for o in out.outputs):
+        return RequestError(None, "the request was aborted (client disconnected)", 499, "aborted")
+    return None
+
+
+async def collect(http: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (non-streaming requests). A client that goes away aborts them
+    all; one failed prompt fails the request (the others are aborted)."""
+    async def client_gone():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        for s in streams:
+            s.abort()
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        outs = await asyncio.gather(*(last(s) for s in streams))
+    finally:
+        watcher.cancel()
+    for out in outs:
+        if (err := failure(out)) is not None:
+            for s in streams:
+                s.abort()
+            raise err
+    return outs
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt: dict[int, int] = field(default_factory=dict)      # per prompt index
+    cached: dict[int, int] = field(default_factory=dict)
+    completion: int = 0
+
+    def body(self) -> dict:
+        return usage_counts(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
+
+
+async def deltas(streams: list[RequestStream], usage: Usage) -> AsyncIterator[tuple[int, object]]:
+    """The streams' outputs merged as they come, as (prompt index, item): each RequestOutput itself
+    (its prompt logprobs and counts), then each sequence's delta worth a chunk (text, or finished),
+    or a RequestError that ends that prompt's stream. Textless tokens (a partial character) are carried
+    into the next chunk of the same sequence."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    class Raised:                       # an exception out of a pump (a RequestError is yielded, not raised)
+        def __init__(self, e: BaseException):
+            self.e = e
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for item in _stream_deltas(i, stream, usage):
+                await queue.put((i, item))
+        except BaseException as e:      # EngineDeadError, or cancelled: re-raised by the consumer
+            await queue.put((i, Raised(e)))
+        finally:
+            await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Raised):
+                raise item.e
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream_deltas(i: int, stream: RequestStream, usage: Usage):
+    done: set[int] = set()
+    held: dict[int, CompletionOutput] = {}
+    async for out in stream:
+        if out.finished and (err := failure(out)) is not None:
+            yield err
+            return
+        usage.prompt[i], usage.cached[i] = len(out.prompt_token_ids), out.num_cached_tokens
+        yield out
+        for o in out.outputs:
+            usage.completion += len(o.token_ids)
+            if o.index in done:
+                continue
+            if o.index in held:
+                h = held.pop(o.index)
+                o = replace(o, token_ids=h.token_ids + o.token_ids,
+                            logprobs=None if o.logprobs is None else h.logprobs + o.logprobs)
+            if not o.text and o.finish_reason is None:
+                if o.token_ids:
+                    held[o.index] = o
+                continue
+            if o.finish_reason is not None:
+                done.add(o.index)
+            yield o
+
+
+class EngineStreamResponse(StreamingResponse):
+    """SSE over RequestStreams. However the response ends (done, client gone before or during the
+    body), the requests are aborted if still running: a no-op once they finished."""
+
+    def __init__(self, body, streams: list[RequestStream]):
+        super().__init__(body, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                s.abort()
+
+
+def sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+    """`chunks` may end with a RequestError (it becomes the `error` event); an engine that dies
+    mid-stream does the same."""
+    async def body():
+        try:
+            async for obj in chunks:
+                if isinstance(obj, RequestError):
+                    yield f"data: {json.dumps(error_body(obj.status, obj.message, obj.param, obj.type))}\n\n"
+                    break
+                yield f"data: {json.dumps(obj)}\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(500, f'the engine is dead: {e}', None, 'engine_dead'))}\n\n"
+        yield "data: [DONE]\n\n"
+    return EngineStreamResponse(body(), streams)
+
+
+def usage_counts(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---------------------------------------------------------------- logprobs, as each API shapes them
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, text_offset0: int = 0) -> dict:
+    """/v1/completions' shape. `logprobs` entries may be None (the first prompt token: nothing predicts
+    it). text_offset: where each token's text starts in the choice's text."""
+    toks = [tokenizer.decode([t]) for t in token_ids]
+    offsets, pos = [], text_offset0
+    for s in toks:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": toks,
+            "token_logprobs": [None if lp is None else lp[t].logprob for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [None if lp is None else {tokenizer.decode([k]): v.logprob for k, v in lp.items()}
+                             for lp in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, o: CompletionOutput, top: int) -> dict | None:
+    if o.logprobs is None:
+        return None
+    content = []
+    for t, lp in zip(o.token_ids, o.logprobs):
+        s = tokenizer.decode([t])
+        tops = sorted(lp.items(), key=lambda kv: kv[1].rank)[:top]
+        content.append({"token": s, "logprob": lp[t].logprob, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": tokenizer.decode([k]), "logprob": v.logprob,
+                                          "bytes": list(tokenizer.decode([k]).encode())} for k, v in tops]})
+    return {"content": content}

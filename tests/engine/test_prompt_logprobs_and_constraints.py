@@ -1,0 +1,134 @@
+"""Prompt logprobs (against HF's full forward), logit bias and structured outputs, offline."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
+
+PROMPT = ("The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in fixed-size blocks "
+          "taken from one pool, and the scheduler re-forms the batch at every step.")
+
+
+def _hf_prompt_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check_against_hf(hf_model, ids, plp, k):
+    ref = _hf_prompt_logprobs(hf_model, ids)
+    assert plp[0] is None and len(plp) == len(ids)
+    for p in range(1, len(ids)):
+        d = plp[p]
+        assert ids[p] in d
+        assert abs(d[ids[p]].logprob - ref[p - 1, ids[p]].item()) < 1e-3
+        assert d[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1 or abs(
+            d[ids[p]].logprob - ref[p - 1].max().item()) < 1e-4   # near-ties may swap ranks
+        top = sorted((v for v in d.values() if v.rank <= k), key=lambda v: v.rank)
+        assert len(top) >= k
+
+
+def test_prompt_logprobs_match_hf(llm, hf_model):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    _check_against_hf(hf_model, out.prompt_token_ids, out.prompt_logprobs, 3)
+
+
+def test_prompt_logprobs_chunked_and_with_a_cached_prefix(hf_model):
+    """Chunks of 16 tokens, and a prompt whose prefix is already in the prefix cache: the logprobs are
+    whole and equal to the unchunked ones (the cache is skipped for such requests)."""
+    eng = LLM(num_kv_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=16,
+              long_prefill_token_threshold=16, enable_prefix_caching=True)
+    warm = eng.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    out = eng.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert warm.prompt_token_ids == out.prompt_token_ids
+    assert out.num_cached_tokens == 0
+    _check_against_hf(hf_model, out.prompt_token_ids, out.prompt_logprobs, 0)
+    assert eng.engine.kv.num_free_blocks == eng.engine.kv.pool.num_usable_blocks
+
+
+def test_prompt_logprobs_with_n_and_streaming(llm):
+    one = llm.generate(PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=1), use_tqdm=False)[0]
+    many = llm.generate(PROMPT, SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=1, prompt_logprobs=1),
+                        use_tqdm=False)[0]
+    assert len(many.outputs) == 3
+    assert [None if d is None else {t: round(v.logprob, 4) for t, v in d.items()} for d in many.prompt_logprobs] == \
+           [None if d is None else {t: round(v.logprob, 4) for t, v in d.items()} for d in one.prompt_logprobs]
+    eng = llm.engine
+    eng.add_request("s", PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=1), stream=True)
+    got = []
+    while eng.has_unfinished_requests():
+        got += [o.prompt_logprobs for o in eng.step() if o.prompt_logprobs is not None]
+    assert len(got) == 1 and len(got[0]) == len(one.prompt_logprobs)
+
+
+def test_detokenize_false(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+def test_logit_bias_forces_and_bans(llm):
+    base = llm.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    banned = llm.generate(PROMPT, SamplingParams(max_tokens=1, logit_bias={base: -100}),
+                          use_tqdm=False)[0].outputs[0].token_ids[0]
+    assert banned != base
+    forced = llm.generate(PROMPT, SamplingParams(max_tokens=3, logit_bias={1234: 100}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [1234, 1234, 1234]
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(PROMPT, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "colour": {"enum": ["red", "green", "blue"]},
+    "sizes": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    "owner": {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+              "additionalProperties": False}},
+    "required": ["name", "colour", "sizes", "owner"], "additionalProperties": False}
+
+
+def _valid(obj, schema=SCHEMA) -> bool:
+    return (set(obj) == set(schema["required"]) and isinstance(obj["name"], str)
+            and obj["colour"] in ("red", "green", "blue") and all(isinstance(x, int) for x in obj["sizes"])
+            and isinstance(obj["owner"]["age"], int))
+
+
+def test_json_schema_regex_choice_in_one_batch(llm):
+    prompts = ["Describe a cat as JSON:", "My phone number is", "Is the sky blue? Answer:", "Tell me a story."]
+    params = [SamplingParams(max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"\d{3}-\d{4}")),
+              SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(max_tokens=8)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert _valid(json.loads(outs[0].text)) and outs[0].finish_reason == "stop"
+    assert re.fullmatch(r"\d{3}-\d{4}", outs[1].text)
+    assert outs[2].text in ("yes", "no")
+    free = llm.generate(prompts[3], SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert outs[3].text == free.text       # an unconstrained neighbour is untouched
+
+
+def test_constrained_n_and_sampling(llm):
+    so = StructuredOutputsParams(json=SCHEMA)
+    out = llm.generate("A JSON pet:", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=120,
+                                                      structured_outputs=so), use_tqdm=False)[0]
+    for o in out.outputs:
+        if o.finish_reason == "stop":
+            assert _valid(json.loads(o.text))
+
+
+def test_bad_constraints_name_the_field(llm):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match="structured_outputs"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9")), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "foo"})),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
