@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.errors import ParamError
 
@@ -26,6 +27,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = "structured_outputs"           # the request field it came from, named in errors
+    compiled: Any = field(default=None, repr=False, compare=False)   # a matcher compiled ahead (see grammar.py)
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

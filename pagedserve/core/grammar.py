@@ -6,6 +6,7 @@ only applies the mask (a packed bitmask: bit t of row r = token t allowed). Plai
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,13 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._ll_tokenizer = None
         self._executor = None
+        self._lock = threading.Lock()             # the server compiles in worker threads
+
+    def precompile(self, so: StructuredOutputsParams) -> None:
+        """Compile now, off the engine thread (a complex schema can take 100s of ms): the engine then
+        only copies the matcher. Raises what matcher() raises."""
+        if so.compiled is None:
+            so.compiled = self.matcher(so)
 
     @property
     def words(self) -> int:
@@ -33,16 +41,21 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def _tok(self):
-        if self._ll_tokenizer is None:
-            import llguidance
-            import llguidance.hf
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                              eos_token=list(self.eos_token_ids) or None)
-            self._executor = llguidance.LLExecutor()
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+                import llguidance.hf
+                self._executor = llguidance.LLExecutor()
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=list(self.eos_token_ids) or None)
         return self._ll_tokenizer
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
-        """A fresh matcher for `so`; a schema, regex or grammar it cannot compile is a ParamError."""
+        """A fresh matcher for `so` (a copy of the one compiled ahead, if any: requests sharing params,
+        n > 1 forks and several prompts, each get their own); a schema, regex or grammar it cannot
+        compile is a ParamError."""
+        if so.compiled is not None:
+            return so.compiled.deep_copy()
         import llguidance
         tok = self._tok()
         grammar = _grammar(so)

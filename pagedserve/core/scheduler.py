@@ -54,7 +54,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
-        self.grammar = None                       # a core.grammar.GrammarCompiler once a request is constrained
+        self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:

@@ -62,6 +62,7 @@ class LLMEngine:
         self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
+        self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.counters = EngineCounters()
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.counters)
@@ -145,15 +146,15 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
-            req.grammar = self._grammar_compiler().matcher(params.structured_outputs)
+            req.grammar = self.scheduler.grammar.matcher(params.structured_outputs)
         self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(request_id, text, req, stream)
         return request_id
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self.scheduler.grammar is None:
-            self.scheduler.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self.scheduler.grammar
+    def precompile(self, params: SamplingParams) -> None:
+        """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""
+        if params.structured_outputs is not None:
+            self.scheduler.grammar.precompile(params.structured_outputs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""

@@ -37,6 +37,7 @@ async def completions(body: CompletionRequest, http: Request):
     params = to_sampling_params(body, 1 if echo_only else max_tokens, body.logprobs,
                                 prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream)
     created = int(time.time())

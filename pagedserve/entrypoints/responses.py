@@ -34,18 +34,19 @@ def check_n(st: ServerState, n: int) -> None:
 
 async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,
                  stream: bool) -> list[RequestStream]:
-    """One engine request per prompt (ids rid, or rid-0, rid-1, ...); if one is refused, the ones
-    already in are aborted and the error goes to the client."""
-    streams: list[RequestStream] = []
-    try:
-        for i, p in enumerate(prompts):
-            sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-            streams.append(await st.aengine.add_request(sub_id, p, params, priority, stream=stream))
-    except BaseException:
-        for s in streams:
-            s.abort()
-        raise
-    return streams
+    """One engine request per prompt (ids rid, or rid-0, rid-1, ...), all handed to the engine at once
+    so they join the same step; if one is refused, the others are aborted and its error goes to the
+    client."""
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    got = await asyncio.gather(*(st.aengine.add_request(i, p, params, priority, stream=stream)
+                                 for i, p in zip(ids, prompts)), return_exceptions=True)
+    errors = [g for g in got if isinstance(g, BaseException)]
+    if errors:
+        for g in got:
+            if not isinstance(g, BaseException):
+                g.abort()
+        raise errors[0]
+    return got
 
 
 def failure(out: RequestOutput) -> RequestError | None:
