@@ -143,12 +143,15 @@ def _apply_logit_bias(logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Te
 
 
 def _apply_masks(logits: torch.Tensor, rows: list[int], packed: np.ndarray) -> torch.Tensor:
-    """Disallowed tokens of the constrained rows to -inf (bit t of a packed row = token t allowed)."""
+    """Disallowed tokens of the constrained rows to -inf (bit t of a packed row = token t allowed), in
+    place: the logits are this step's own (the raw logprobs were taken before)."""
     V = logits.shape[1]
-    allowed = np.unpackbits(np.ascontiguousarray(packed).view(np.uint8), axis=1, bitorder="little")[:, :V]
-    logits = logits.clone()
+    banned = ~torch.from_numpy(np.unpackbits(np.ascontiguousarray(packed).view(np.uint8), axis=1,
+                                             bitorder="little")[:, :V].view(bool))
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill_(banned, float("-inf"))
     idx = torch.tensor(rows)
-    logits[idx] = logits[idx].masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+    logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
     return logits
 
 
