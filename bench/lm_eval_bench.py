@@ -1,5 +1,5 @@
 """lm-evaluation-harness wall time on our multiple-choice task (tests/entrypoints/lm_eval_tasks.py,
-repeated to --repeat x 20 questions, 4 choices each): `local-completions` against `pagedserve serve`
+made --repeat x 20 distinct questions, 4 choices each): `local-completions` against `pagedserve serve`
 (a child process, started before the clock) next to lm-eval's own `hf` backend on the transformers
 model loaded from the same GGUF, in one run. Also prints the largest per-choice loglikelihood
 difference and both accuracies.
@@ -38,7 +38,8 @@ def main():
     from pagedserve.model.loader import resolve_model
     from pagedserve.tokenizer import load_tokenizer
     print("host:", describe())
-    T.MC = T.MC * args.repeat
+    # distinct questions (a repeated one would be deduplicated by lm-eval's hf backend)
+    T.MC = [(f"({k + 1}) {q}" if k else q, c, a) for k in range(args.repeat) for q, c, a in T.MC]
     folder = tempfile.mkdtemp()
     T.write_tasks(folder)
     tm = TaskManager(include_path=folder)
