@@ -155,6 +155,8 @@ class SamplingParams:
             self._check_logit_bias(bad)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens:
+            bad("min_tokens", "must be 0 with structured_outputs (the grammar decides where the output ends)")
         if not self.detokenize and self.stop:
             bad("stop", "needs detokenize=True (stop strings are matched in the text)")
         if self.best_of is not None:

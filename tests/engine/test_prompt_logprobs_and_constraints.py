@@ -66,6 +66,37 @@ def test_prompt_logprobs_with_n_and_streaming(llm):
     assert len(got) == 1 and len(got[0]) == len(one.prompt_logprobs)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_survive_preemption(llm, mode):
+    """A request preempted mid-prefill (recompute restarts from token 0) still yields each prompt
+    position's logprobs exactly once, equal to a run without pressure."""
+    prompts = [{"prompt_token_ids": list(range(200 + 7 * i, 260 + 7 * i))} for i in range(6)]
+    sp = SamplingParams(max_tokens=30, prompt_logprobs=1, ignore_eos=True)
+    ref = llm.generate(prompts, sp, use_tqdm=False)
+    tight = LLM(num_kv_blocks=20, block_size=16, dtype="float32", preemption_mode=mode, swap_space=0.05,
+                max_num_batched_tokens=32, long_prefill_token_threshold=32)
+    outs = tight.generate(prompts, sp, use_tqdm=False)
+    assert tight.engine.counters.preemptions > 0
+    for a, b in zip(outs, ref):
+        assert len(a.prompt_logprobs) == 60 and a.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert all(blk.ref_cnt == 0 for blk in tight.engine.kv.pool.blocks[1:])
+
+
+def test_prompt_logprob_rows_in_the_schedule():
+    """The scheduler's records: chunk rows predict the following prompt tokens, never twice."""
+    from pagedserve.core.kv_cache_manager import KVCacheManager
+    from pagedserve.core.request import Request
+    from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4, long_prefill_token_threshold=4), KVCacheManager(32, 4))
+    s.add_request(Request("a", [10, 11, 12, 13, 14, 15], SamplingParams(prompt_logprobs=2, max_tokens=2), 2))
+    first, second = s.schedule().seqs[0], s.schedule().seqs[0]
+    assert (first.prompt_logprobs.first, first.prompt_logprobs.targets, first.prompt_logprobs.k) == (0, (11, 12, 13, 14), 2)
+    assert (second.prompt_logprobs.first, second.prompt_logprobs.targets) == (0, (15,))
+    assert second.sampling is not None        # the last prompt row samples; it predicts no prompt token
+
+
 def test_detokenize_false(llm):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)[0].outputs[0]
     assert out.text == "" and len(out.token_ids) == 4
@@ -126,6 +157,8 @@ def test_constrained_n_and_sampling(llm):
 def test_bad_constraints_name_the_field(llm):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(ValueError, match="structured_outputs"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9")), use_tqdm=False)
     with pytest.raises(ValueError, match="structured_outputs"):
