@@ -10,6 +10,19 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _first_trig_calls_here() -> None:
+    """torch 2.13's threaded float32 cos was measured up to 1.5e-4 off on the second thread's half of
+    the rows in the first call of a process (about 1 pytest process in 4; a later call is right). Our
+    RoPE table no longer uses torch's cos (model/llama.py), but the HF reference computes its table
+    with it on every forward: the first calls happen here, on values no test reads."""
+    x = torch.arange(300, dtype=torch.float32)[:, None] * torch.rand(64)
+    for t in (x.double(), x, x.double(), x):
+        t.cos(), t.sin()
+
+
+_first_trig_calls_here()
+
+
 @pytest.fixture(scope="session")
 def default_source():
     from pagedserve.model.loader import resolve_model

@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,12 +109,29 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # cos, sin: (positions, 1, hd)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]               # (T, 1, hd)
-        dt = self.norm.dtype             # the compute dtype (the embedding may be packed)
-        return emb.cos().to(dt), emb.sin().to(dt)
+        """cos and sin at each position, (T, 1, hd), looked up in a table grown on demand (vLLM's
+        cos_sin_cache). The angles are float32 products as in HF; their cos/sin are taken in float64
+        by numpy and rounded once: torch's threaded float32 cos measured up to 1.5e-4 off on half the
+        rows of the first call in some processes, which moved logits by 7e-3."""
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        cache = self._rope_cache
+        if cache is None or n > cache[0].shape[0] or cache[0].dtype != self.norm.dtype \
+                or cache[0].device != self.norm.device:
+            size = cache[0].shape[0] if cache is not None else 0
+            cache = self._rope_cache = self._rope_table(max(n, 1024, 2 * size if n > size else size))
+        cos, sin = cache
+        return cos[positions], sin[positions]
+
+    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq.detach().cpu().float().numpy()
+        freqs = np.arange(n, dtype=np.float32)[:, None] * inv[None, :]          # (n, hd/2), float32 as HF
+        emb = np.concatenate((freqs, freqs), axis=-1).astype(np.float64)[:, None, :]
+        dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
+        return (torch.from_numpy(np.cos(emb).astype(np.float32)).to(dev, dt),
+                torch.from_numpy(np.sin(emb).astype(np.float32)).to(dev, dt))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata) -> torch.Tensor:

@@ -18,7 +18,7 @@ def forward_all_rows(runner: ModelRunner, chunks: list[tuple[Request, int, int, 
     seqs = sorted((ScheduledSeq.of(r, s, n, b, False) for r, s, n, b in chunks), key=lambda s: not s.is_decode)
     so = SchedulerOutput(seqs=tuple(seqs))
     with torch.inference_mode():
-        ids, pos, md, _, _ = runner.prepare(so)
+        ids, pos, md, *_ = runner.prepare(so)
         hidden = runner.model(ids, pos, runner.kv_caches, md)
         return runner.model.compute_logits(hidden)
 
