@@ -1,6 +1,7 @@
 """Soak: many requests over real HTTP against a `pagedserve serve` whose KV pool is small enough to
 force preemption, the way users send them: streaming and not, chat and completions, n in 1..3,
-stop strings, priorities, streams dropped mid-way, client timeouts, aborted requests, and a few
+stop strings, priorities, several prompts per completion with echo and prompt logprobs, JSON-schema
+constrained chats, streams dropped mid-way, client timeouts, aborted requests, and a few
 hostile fields beside the well-formed ones.
 
 It asserts that every request either completed with the right token count, was cut by its own
@@ -30,6 +31,9 @@ from server_proc import serve  # noqa: E402
 WORDS = ("paged attention keeps the cache in blocks while continuous batching lets requests join and leave "
          "every step so long prompts are chunked and short ones finish early").split()
 SYSTEM = "You are a terse assistant. " * 6          # a shared prefix for the prefix cache
+# a constraint no answer can complete inside max_tokens, so every constrained choice ends by length
+LONG_JSON = {"type": "json_schema", "json_schema": {"name": "note", "schema": {
+    "type": "object", "required": ["text"], "properties": {"text": {"type": "string", "minLength": 4000}}}}}
 HOSTILE = [{"temperature": float("inf")}, {"seed": 2**64}, {"n": 10**6}, {"top_k": 2**63}, {"logprobs": 99},
            {"prompt": "abc \ud800 def"}, {"stop": ["x"] * 10_000}]
 
@@ -43,6 +47,13 @@ def plan(i: int, rng: random.Random, max_tokens: int) -> dict:
          "stop": [rng.choice(WORDS)] if rng.random() < 0.2 else None, "action": "complete"}
     p["body"] = ({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words}]} if chat
                  else {"prompt": SYSTEM + words})
+    p["prompts"] = 1
+    k = rng.random()
+    if chat and k < 0.15:             # structured output: a grammar mask on this request's rows
+        p["body"]["response_format"] = LONG_JSON
+    elif not chat and k < 0.15:       # several prompts in one request, echoed with prompt logprobs
+        p["prompts"] = 2
+        p["body"] = {"prompt": [SYSTEM + words, " ".join(reversed(words.split()))], "echo": True, "logprobs": 1}
     r = rng.random()
     if r < 0.03:
         p["action"], p["hostile"] = "hostile", rng.choice(HOSTILE)
@@ -80,16 +91,17 @@ def encode(p: dict) -> bytes:
 
 def check_tokens(p: dict, reasons: list, completion_tokens: int) -> str:
     """'ok', or what is wrong with a finished answer."""
-    if len(reasons) != p["n"]:
-        return f"{len(reasons)} choices for n={p['n']}"
+    n = p["n"] * p.get("prompts", 1)
+    if len(reasons) != n:
+        return f"{len(reasons)} choices for n={p['n']} x {p.get('prompts', 1)} prompts"
     bad = [r for r in reasons if r not in ("stop", "length")]
     if bad:
         return f"finish_reason {bad[0]!r} the client did not cause"
     if "stop" in reasons and not p["stop"]:
         return "stopped early without a stop string (EOS is ignored)"
     n_len = reasons.count("length")
-    lo, hi = n_len * p["max_tokens"], p["n"] * p["max_tokens"]
-    if not lo <= completion_tokens <= hi or (n_len == p["n"] and completion_tokens != hi):
+    lo, hi = n_len * p["max_tokens"], n * p["max_tokens"]
+    if not lo <= completion_tokens <= hi or (n_len == n and completion_tokens != hi):
         return f"{completion_tokens} tokens for n={p['n']} x max_tokens={p['max_tokens']} ({reasons})"
     return "ok"
 

@@ -95,7 +95,8 @@ class Scheduler:
                         parent.eos_token_ids, parent.priority, parent.arrival_time, arrival_seq=parent.arrival_seq,
                         status=RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens, seq_index=i,
                         parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
-                        first_scheduled_time=parent.first_scheduled_time, generator_seed=seed)
+                        first_scheduled_time=parent.first_scheduled_time, generator_seed=seed,
+                        prompt_logprobs_done=parent.prompt_logprobs_done)   # a recompute must not redo them
         self.requests[child.request_id] = child
         self.kv.fork(parent, child)
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings

@@ -66,17 +66,20 @@ def test_prompt_logprobs_with_n_and_streaming(llm):
     assert len(got) == 1 and len(got[0]) == len(one.prompt_logprobs)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_prompt_logprobs_survive_preemption(llm, mode):
+@pytest.mark.parametrize("mode,n", [("recompute", 1), ("swap", 1), ("recompute", 2)])
+def test_prompt_logprobs_survive_preemption(llm, mode, n):
     """A request preempted mid-prefill (recompute restarts from token 0) still yields each prompt
-    position's logprobs exactly once, equal to a run without pressure."""
+    position's logprobs exactly once, equal to a run without pressure; so does a fork of an n > 1
+    request recomputed after it forked (regression: it asked for them again, under its own id)."""
     prompts = [{"prompt_token_ids": list(range(200 + 7 * i, 260 + 7 * i))} for i in range(6)]
-    sp = SamplingParams(max_tokens=30, prompt_logprobs=1, ignore_eos=True)
+    sp = SamplingParams(max_tokens=30, prompt_logprobs=1, ignore_eos=True, n=n, temperature=1.0 if n > 1 else 0.0,
+                        seed=5)
     ref = llm.generate(prompts, sp, use_tqdm=False)
     tight = LLM(num_kv_blocks=20, block_size=16, dtype="float32", preemption_mode=mode, swap_space=0.05,
                 max_num_batched_tokens=32, long_prefill_token_threshold=32)
     outs = tight.generate(prompts, sp, use_tqdm=False)
     assert tight.engine.counters.preemptions > 0
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 30 for out in outs for o in out.outputs)
     for a, b in zip(outs, ref):
         assert len(a.prompt_logprobs) == 60 and a.prompt_logprobs[0] is None
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
