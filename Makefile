@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve chat test bench bench-llamacpp clean
+.PHONY: setup serve chat test bench bench-llamacpp browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ serve: setup
 chat: setup
 	$(VENV)/bin/pagedserve chat
 
-test: setup
+# headless Chromium + its WebDriver for the dashboard's browser test (Debian packages), when missing
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
+
+test: setup browser
 	$(PY) -m pytest -q -x
 
 bench: setup

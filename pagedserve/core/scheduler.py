@@ -54,6 +54,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
+        self.num_admitted = 0                     # waiting -> running moves, ever (the dashboard marks them)
         self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
 
     # ------------------------------------------------------------ admission
@@ -197,6 +198,7 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
             heapq.heappop(self.waiting)
+            self.num_admitted += 1
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()

@@ -1,4 +1,4 @@
-"""`pagedserve generate | chat | serve | kv-plan`. Engine flags are generated from EngineArgs."""
+"""`pagedserve generate | chat | serve | top | simulate | kv-plan`. Engine flags are generated from EngineArgs."""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +110,14 @@ def cmd_serve(ns) -> int:
     return run_server(engine_args_from(ns), ns)
 
 
+def cmd_top(ns) -> int:
+    from pagedserve.entrypoints.top import run_top
+    try:
+        return run_top(ns)
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_simulate(ns) -> int:
     from pagedserve.sim.cli import run_simulate
     return run_simulate(ns)
@@ -154,8 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
+    s.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live view of the cache and the schedule at /dashboard (and /debug/state)")
     add_engine_flags(s, positional_model=True)
     s.set_defaults(fn=cmd_serve)
+    t = sub.add_parser("top", help="the dashboard's live view of a running server, on the terminal")
+    from pagedserve.entrypoints.top import add_top_flags
+    add_top_flags(t)
+    t.set_defaults(fn=cmd_top)
     m = sub.add_parser("simulate", help="capacity planning: the real scheduler on a step-time cost model")
     from pagedserve.sim.cli import add_simulate_flags
     add_simulate_flags(m)

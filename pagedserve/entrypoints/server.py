@@ -53,6 +53,7 @@ class ServerState:
     draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
     chat_template: str | None = None      # --chat-template: replaces the model's own
     tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
+    recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
 
 
 class Guard:
@@ -166,20 +167,32 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
               max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
               engine_thread: bool = True, chat_template: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, dashboard: bool = True) -> FastAPI:
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
     from pagedserve.entrypoints.routes import router
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
-    aengine.on_step = metrics.on_step
     state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
                         chat_template=chat_template, tool_call_parser=tool_call_parser)
+    if dashboard:
+        from pagedserve.entrypoints.dashboard import StateRecorder
+        state.recorder = recorder = StateRecorder()
+
+        def on_step(eng, outs):
+            metrics.on_step(eng, outs)
+            recorder.on_step(eng, outs)
+        aengine.on_step = on_step
+    else:
+        aengine.on_step = metrics.on_step
     app.state.server = state
     app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
     app.add_middleware(Guard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
     _install_error_handlers(app)
     app.include_router(router)
+    if dashboard:
+        from pagedserve.entrypoints.dashboard import router as dashboard_router
+        app.include_router(dashboard_router)
     return app
 
 
@@ -217,7 +230,8 @@ def run_server(args: EngineArgs, ns) -> int:
     engine = LLMEngine(args)
     app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
                     engine_thread=False, chat_template=template,
-                    tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None)
+                    tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                    dashboard=ns.dashboard)
     state: ServerState = app.state.server
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     loop = asyncio.new_event_loop()
@@ -255,6 +269,8 @@ def run_server(args: EngineArgs, ns) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)
+    if ns.dashboard:
+        log.info("dashboard: http://%s:%d/dashboard%s", ns.host, ns.port, "#key=<api key>" if ns.api_key else "")
     t = threading.Thread(target=http, name="pagedserve-http", daemon=True)
     t.start()
     state.aengine.run()

@@ -1,0 +1,199 @@
+"""The live dashboard: /debug/state against the engine's own counters at several points of a run;
+/dashboard in headless Chromium (Debian's chromium + chromium-driver, selenium) while a workload
+with shared prefixes and a pool small enough to force preemption runs; `pagedserve top` under a
+pseudo-terminal."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pty
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.helpers import serve_in_thread
+
+KEY = "dash-key"
+H = {"Authorization": f"Bearer {KEY}"}
+SHARED = "You are a helpful assistant who answers in one short sentence. " * 3
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+
+
+@pytest.fixture(scope="module")
+def served():
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    engine = LLMEngine(EngineArgs(num_kv_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=96,
+                                  long_prefill_token_threshold=48, dtype="float32"))
+    app = build_app(engine, api_key=KEY)
+    with serve_in_thread(app) as base:
+        yield base, engine, app
+
+
+def workload(base: str, n: int = 24, max_tokens: int = 96) -> threading.Thread:
+    """Requests with a shared prefix (prefix-cache sharing), some n=2 (fork sharing), more than the
+    40-block pool holds (preemption, waiting with reasons)."""
+    def one(i):
+        body = {"prompt": SHARED + f"Question {i}: what is {i} plus {i}?", "max_tokens": max_tokens,
+                "temperature": 0.7, "seed": i, "n": 2 if i % 3 == 0 else 1, "ignore_eos": True}
+        httpx.post(base + "/v1/completions", json=body, headers=H, timeout=300)
+
+    def run():
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+            time.sleep(0.05)
+        for t in ts:
+            t.join()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def engine_view(app, engine) -> tuple[dict, dict]:
+    """A snapshot and the engine's own counters, read in the engine thread at the same moment."""
+    from pagedserve.entrypoints.dashboard import snapshot
+
+    def read():
+        kv, sch = engine.kv, engine.scheduler
+        return snapshot(engine, app.state.server.recorder), {
+            "num_free_blocks": kv.num_free_blocks, "num_cached_blocks": kv.pool.num_cached_blocks(),
+            "used": kv.pool.num_usable_blocks - kv.num_free_blocks, "running": len(sch.running),
+            "waiting": len(sch.waiting), "usage": kv.usage()}
+    return asyncio.run(app.state.aengine.call(read))
+
+
+def check_against_counters(snap: dict, own: dict) -> None:
+    m = snap["summary"]
+    assert m["num_free_blocks"] == own["num_free_blocks"] == m["free"] + m["cached"]
+    assert m["used"] == own["used"] and m["num_cached_blocks"] == own["num_cached_blocks"]
+    assert m["running"] == own["running"] and m["waiting"] == own["waiting"]
+    assert abs(m["kv_usage"] - own["usage"]) < 1e-4
+    assert len(snap["blocks"]["state"]) == snap["config"]["num_blocks"]
+    assert sum(1 for r in snap["requests"] if r["queue"] == "running") == own["running"]
+    used = {b for r in snap["requests"] for b in r["blocks"]}
+    assert used == {i for i, st in enumerate(snap["blocks"]["state"]) if st == 2}
+    for b, owners in snap["blocks"]["owners"].items():     # a block's refcount = the tables holding it
+        assert snap["blocks"]["ref"][int(b)] == len(owners)
+    for r in snap["requests"]:
+        if r["queue"] != "running":
+            assert r["reason"]
+
+
+def test_debug_state_matches_the_engine_counters(served):
+    base, engine, app = served
+    assert httpx.get(base + "/debug/state").status_code == 401         # --api-key protects it
+    t = workload(base)
+    seen = {"waiting": 0, "shared": 0, "preempted": 0}
+    while t.is_alive():
+        snap, own = engine_view(app, engine)
+        check_against_counters(snap, own)
+        seen["waiting"] += snap["summary"]["waiting"] > 0
+        seen["shared"] += snap["summary"]["shared"] > 0
+        time.sleep(0.1)
+    t.join()
+    snap = httpx.get(base + "/debug/state", headers=H).json()
+    assert snap["summary"]["used"] == 0 and not snap["requests"]
+    assert snap["summary"]["free"] + snap["summary"]["cached"] == snap["config"]["num_blocks"] - 1
+    assert seen["waiting"] and seen["shared"], seen
+    assert any(s["preempted"] for s in snap["steps"]) and any(s["admitted"] for s in snap["steps"])
+    assert snap["health"]["ttft_s"]["n"] > 0 and snap["health"]["prefix_hit_rate"] > 0
+    spec = httpx.get(base + "/openapi.json").json()
+    assert "/debug/state" in spec["paths"]
+
+
+def _driver():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+        opts.add_argument(a)
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts)
+
+
+def _dom_counts(driver) -> tuple[dict, dict]:
+    """Cells per state and the summary of the frame they were drawn from (read in one script)."""
+    return driver.execute_script("""
+        const c = {}; for (const b of document.querySelectorAll('#blocks .blk')) c[b.dataset.state] = (c[b.dataset.state] || 0) + 1;
+        const refs = [...document.querySelectorAll('#blocks .blk[data-shared]')].map(b => +b.dataset.ref);
+        return [c, window.dash.snap.summary, window.dash.snap.step, refs];""")
+
+
+def test_dashboard_in_a_real_browser(served):
+    base, engine, _ = served
+    driver = _driver()
+    try:
+        driver.get(base + f"/dashboard#key={KEY}")
+        deadline = time.time() + 30
+        while time.time() < deadline and not driver.execute_script("return window.dash && window.dash.frames"):
+            time.sleep(0.1)
+        assert driver.execute_script("return window.dash.frames") > 0
+        t = workload(base)
+        seen = {"shared": False, "reason": "", "frames": 0}
+        shot = False
+        while t.is_alive():
+            counts, summary, step, shared = _dom_counts(driver)
+            assert sum(counts.values()) == engine.kv.pool.num_blocks             # one cell per block
+            assert counts.get("used", 0) == summary["used"] and counts.get("free", 0) == summary["free"]
+            assert counts.get("cached", 0) == summary["cached"] and counts.get("null") == 1
+            live = httpx.get(base + "/debug/state", headers=H).json()
+            assert live["step"] - step <= 40        # the page draws the current state, a frame behind at most
+            if shared:                               # the same frame: shared cells show their refcount
+                seen["shared"] = True
+                assert min(shared) > 1
+            reason = driver.execute_script(
+                "const r = document.querySelector('tr[data-queue=waiting] td.reason'); return r ? r.textContent : ''")
+            seen["reason"] = seen["reason"] or reason
+            if not shot and shared and reason and step >= 40:
+                os.makedirs(RESULTS, exist_ok=True)
+                driver.find_element("css selector", "tr.req").click()      # outline one request's block table
+                time.sleep(0.3)
+                driver.save_screenshot(os.path.join(RESULTS, "dashboard.png"))
+                shot = True
+            time.sleep(0.15)
+        t.join()
+        assert seen["shared"] and seen["reason"], seen
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            counts, summary, step, _ = _dom_counts(driver)
+            if not counts.get("used"):
+                break
+            time.sleep(0.25)
+        assert set(counts) <= {"free", "cached", "null"}, counts       # every cell back to free or cached
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors and not driver.execute_script("return window.dash.errors"), errors
+        assert shot
+    finally:
+        driver.quit()
+
+
+def test_pagedserve_top_under_a_pty(served):
+    base, _, _ = served
+    pid, fd = pty.fork()
+    if pid == 0:       # the child: pagedserve top, one frame
+        os.execv(sys.executable, [sys.executable, "-m", "pagedserve.entrypoints.cli", "top", "--url", base,
+                                  "--api-key", KEY, "--iterations", "1", "--width", "60"])
+    out = b""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    for needle in ("pagedserve", "step", "KV blocks", "running", "why waiting", "tokens per step"):
+        assert needle in text, (needle, text[-2000:])
+    assert subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "top", "--help"],
+                          capture_output=True).returncode == 0
