@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
+from pagedserve.entrypoints.dashboard import router as dashboard_router
 from pagedserve.entrypoints.routes import router
 from tests.entrypoints.helpers import serve_in_thread
 
@@ -19,6 +20,7 @@ EXAMPLES = collections.Counter()
 def _spec() -> dict:
     app = FastAPI(title="pagedserve")     # the same routes, without an engine: only the schema is needed
     app.include_router(router)
+    app.include_router(dashboard_router)
     return app.openapi()
 
 
