@@ -197,3 +197,27 @@ def test_pagedserve_top_under_a_pty(served):
         assert needle in text, (needle, text[-2000:])
     assert subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "top", "--help"],
                           capture_output=True).returncode == 0
+
+
+def test_snapshot_shows_swapped_requests_with_their_host_blocks():
+    """Swap preemption: a swapped request is listed as such, with its host blocks, and holds no device block."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.entrypoints.dashboard import StateRecorder, snapshot
+    llm = LLM(num_kv_blocks=20, block_size=16, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
+              dtype="float32")
+    eng, rec = llm.engine, StateRecorder()
+    for i in range(6):
+        eng.add_request(f"r{i}", {"prompt_token_ids": list(range(100 + i, 140 + i))},
+                        SamplingParams(max_tokens=40, ignore_eos=True))
+    seen = None
+    while eng.has_unfinished_requests():
+        rec.on_step(eng, eng.step())
+        snap = snapshot(eng, rec)
+        swapped = [r for r in snap["requests"] if r["queue"] == "swapped"]
+        if swapped and seen is None:
+            seen = snap
+            assert all(r["host_blocks"] and not r["blocks"] and r["reason"] for r in swapped)
+            assert snap["summary"]["swapped"] == len(swapped)
+            assert snap["summary"]["host_blocks_used"] == sum(len(r["host_blocks"]) for r in swapped)
+            assert snap["config"]["num_host_blocks"] > 0
+    assert seen is not None and snapshot(eng, rec)["summary"]["used"] == 0
