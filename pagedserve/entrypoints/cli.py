@@ -1,4 +1,4 @@
-"""`pagedserve generate | chat | serve | top | simulate | kv-plan`. Engine flags are generated from EngineArgs."""
+"""`pagedserve generate | chat | serve | top | router | simulate | kv-plan`. Engine flags are generated from EngineArgs."""
 from __future__ import annotations
 
 import argparse
@@ -118,6 +118,11 @@ def cmd_top(ns) -> int:
         return 0
 
 
+def cmd_router(ns) -> int:
+    from pagedserve.router.app import run_router
+    return run_router(ns)
+
+
 def cmd_simulate(ns) -> int:
     from pagedserve.sim.cli import run_simulate
     return run_simulate(ns)
@@ -170,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.entrypoints.top import add_top_flags
     add_top_flags(t)
     t.set_defaults(fn=cmd_top)
+    ro = sub.add_parser("router", help="one OpenAI front over data-parallel replicas, cache-aware")
+    from pagedserve.router.app import add_router_flags
+    add_router_flags(ro)
+    ro.set_defaults(fn=cmd_router)
     m = sub.add_parser("simulate", help="capacity planning: the real scheduler on a step-time cost model")
     from pagedserve.sim.cli import add_simulate_flags
     add_simulate_flags(m)

@@ -35,7 +35,9 @@ def serve_in_thread(app):
     finally:
         srv.should_exit = True
         t.join(timeout=10)
-        app.state.aengine.shutdown()
+        aengine = getattr(app.state, "aengine", None)      # none for the router's app
+        if aengine is not None:
+            aengine.shutdown()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,132 @@
+"""The data-parallel router: the policy alone (exact choices), then two `pagedserve serve` replicas
+(child processes) behind it on loopback ports: cache-aware routing against round robin on 40
+requests in 4 prefix families, and a replica killed mid-run."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import random
+import time
+
+import httpx
+import pytest
+
+from pagedserve.router.policy import RoutingPolicy, chunk_hashes
+from tests.entrypoints.helpers import serve_in_process, serve_in_thread
+
+WORDS = ("block cache prefix token batch step queue decode prefill chunk share fork swap evict hash table "
+         "kernel thread budget latency").split()
+
+
+def test_policy_follows_prefixes_and_load():
+    pol = RoutingPolicy(["http://a", "http://b"])
+    a, b = pol.replicas
+    fam = "x" * 320
+    r1, why = pol.choose(fam + "1")
+    assert why == "least loaded"
+    pol.sent_to(r1, fam + "1")
+    r2, why = pol.choose(fam + "2")
+    assert r2 is r1 and why.startswith("prefix match 10/10")
+    other, _ = pol.choose("y" * 320)                       # no match: the least loaded one
+    assert other is not r1
+    r1.in_flight = 20                                       # the holder is much busier: go elsewhere
+    r3, why = pol.choose(fam + "3")
+    assert r3 is not r1 and "busy" in why
+    b.healthy = a.healthy = False
+    assert pol.choose(fam) == (None, "no healthy replica")
+    rr = RoutingPolicy(["http://a", "http://b"], "round_robin")
+    assert [rr.choose(fam)[0].url for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+    assert len(chunk_hashes("z" * 100)) == 3 and chunk_hashes("ab" * 32)[0] == chunk_hashes("ab" * 40)[0]
+    with pytest.raises(ValueError, match="policy"):
+        RoutingPolicy(["http://a"], "random")
+
+
+def family_prompts(seed: int, n_families: int = 4, per_family: int = 10) -> list[str]:
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(180)) for _ in range(n_families)]
+    prompts = [prefixes[i % n_families] + f" Question {i}: which word comes next?" for i in range(n_families * per_family)]
+    rng.shuffle(prompts)      # in order, round robin over 2 replicas would keep each family on one by chance
+    return prompts
+
+
+def hit_rate_delta(bases, before):
+    q = h = 0
+    for base in bases:
+        m = _metrics(base)
+        q += m["pagedserve:prefix_cache_queries_total"] - before[base]["pagedserve:prefix_cache_queries_total"]
+        h += m["pagedserve:prefix_cache_hits_total"] - before[base]["pagedserve:prefix_cache_hits_total"]
+    return h / q
+
+
+def _metrics(base) -> dict:
+    out = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("pagedserve:prefix_cache_"):
+            k, v = line.split()
+            out[k] = float(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    args = ["--num-kv-blocks", "40", "--block-size", "16", "--max-num-seqs", "4",
+            "--no-dashboard"]
+    with serve_in_process(args) as (a, pa), serve_in_process(args) as (b, pb):
+        yield [(a, pa), (b, pb)]
+
+
+def _run(router_base: str, prompts: list[str], workers: int = 2) -> list[httpx.Response]:
+    def one(p):
+        return httpx.post(router_base + "/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0},
+                          timeout=120)
+    with cf.ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, prompts))
+
+
+def test_cache_aware_routing_beats_round_robin(replicas):
+    from pagedserve.router.app import build_router
+    bases = [b for b, _ in replicas]
+    rates = {}
+    for seed, policy in ((1, "round_robin"), (2, "cache_aware")):
+        before = {b: _metrics(b) for b in bases}
+        with serve_in_thread(build_router(bases, policy)) as router:
+            rs = _run(router, family_prompts(seed))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:2]
+        rates[policy] = hit_rate_delta(bases, before)
+    print(f"\nprefix-cache hit rate over both replicas: round robin {rates['round_robin']:.3f}, "
+          f"cache-aware {rates['cache_aware']:.3f}")
+    assert rates["cache_aware"] > rates["round_robin"] + 0.15      # measured +0.23..0.33 here
+
+
+def test_a_replica_killed_mid_run(replicas):
+    """No request hangs: those in flight on the dead replica end with a clear error, the rest (and every
+    later one) are served by the other replica."""
+    from pagedserve.router.app import build_router
+    (a, pa), (b, pb) = replicas
+    with serve_in_thread(build_router([a, b], health_interval_s=0.2)) as router:
+        def one(i):
+            body = {"prompt": f"Request {i}: count slowly", "max_tokens": 48, "ignore_eos": True,
+                    "stream": i % 2 == 0}
+            with contextlib.suppress(httpx.HTTPError):
+                if body["stream"]:
+                    with httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as s:
+                        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+                    if events[-1] == "[DONE]" and any('"error"' in e for e in events):
+                        return "error"
+                    return "ok" if events[-1] == "[DONE]" else "truncated"
+                r = httpx.post(router + "/v1/completions", json=body, timeout=60)
+                return "ok" if r.status_code == 200 else ("error" if "error" in r.json() else "bad")
+            return "transport"
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(one, i) for i in range(16)]
+            time.sleep(2.0)
+            pa.kill()                                       # replica a dies with requests in flight
+            outcomes = [f.result(timeout=90) for f in futs]  # none hangs
+        assert set(outcomes) <= {"ok", "error"}, outcomes
+        assert outcomes.count("ok") >= 8
+        after = [one(100 + i) for i in range(6)]             # new requests all go to the survivor
+        assert after == ["ok"] * 6
+        state = httpx.get(router + "/router/state").json()
+        assert [r["healthy"] for r in state["replicas"]] == [False, True], json.dumps(state)
