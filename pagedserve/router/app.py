@@ -45,6 +45,8 @@ def build_router(urls: list[str], policy: str = "cache_aware", health_interval_s
     async def check(r: Replica) -> None:
         try:
             ok = (await client.get(r.url + "/health", timeout=2.0)).status_code == 200
+            if ok:
+                r.queue = _queue(await client.get(r.url + "/metrics", timeout=2.0))
         except httpx.HTTPError:
             ok = False
         if ok != r.healthy:
@@ -75,6 +77,7 @@ def build_router(urls: list[str], policy: str = "cache_aware", health_interval_s
     @app.get("/router/state")
     async def router_state():
         return {"policy": pol.policy, "replicas": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+                                                    "queue": r.queue,
                                                     "sent": r.sent, "prefixes": len(r.prefixes)} for r in pol.replicas]}
 
     @app.get("/v1/models")
@@ -145,6 +148,15 @@ async def _pass_stream(resp: httpx.Response, replica: Replica, pol: RoutingPolic
     finally:
         pol.done(replica)
         await resp.aclose()
+
+
+def _queue(resp: httpx.Response) -> int:
+    """running + waiting from a replica's /metrics (0 if it does not say)."""
+    n = 0
+    for line in resp.text.splitlines() if resp.status_code == 200 else ():
+        if line.startswith(("pagedserve:num_requests_running ", "pagedserve:num_requests_waiting ")):
+            n += int(float(line.split()[-1]))
+    return n
 
 
 def _auth(http: Request) -> dict:

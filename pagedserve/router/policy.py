@@ -27,8 +27,14 @@ class Replica:
     url: str
     healthy: bool = True
     in_flight: int = 0                                  # requests the router has open on it
+    queue: int = 0                                      # running + waiting, as the replica last reported
     prefixes: OrderedDict = field(default_factory=OrderedDict)   # chain hash -> None, LRU order
     sent: int = 0
+
+    @property
+    def load(self) -> int:
+        """The router's own count, or the replica's if higher (clients that bypass the router)."""
+        return max(self.in_flight, self.queue)
 
     def match(self, hashes: list[int]) -> int:
         n = 0
@@ -72,11 +78,10 @@ class RoutingPolicy:
         if self.policy == "round_robin":
             return live[next(self._rr) % len(live)], "round robin"
         hashes = chunk_hashes(text)
-        least = min(live, key=lambda r: (r.in_flight, r.sent))
-        best = max(live, key=lambda r: (r.match(hashes), -r.in_flight))
+        least = min(live, key=lambda r: (r.load, r.sent))
+        best = max(live, key=lambda r: (r.match(hashes), -r.load))
         matched = best.match(hashes)
-        busy = best.in_flight > least.in_flight + self.balance_abs and \
-            best.in_flight > self.balance_rel * least.in_flight
+        busy = best.load > least.load + self.balance_abs and best.load > self.balance_rel * least.load
         if hashes and matched / len(hashes) >= self.cache_threshold and not busy:
             return best, f"prefix match {matched}/{len(hashes)} chunks"
         return least, "least loaded" + (" (the prefix holder is busy)" if matched and busy else "")

@@ -35,7 +35,7 @@ def served():
         yield base, engine, app
 
 
-def workload(base: str, n: int = 24, max_tokens: int = 96) -> threading.Thread:
+def workload(base: str, n: int = 16, max_tokens: int = 72) -> threading.Thread:
     """Requests with a shared prefix (prefix-cache sharing), some n=2 (fork sharing), more than the
     40-block pool holds (preemption, waiting with reasons)."""
     def one(i):

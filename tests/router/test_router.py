@@ -30,7 +30,7 @@ def test_policy_follows_prefixes_and_load():
     assert r2 is r1 and why.startswith("prefix match 10/10")
     other, _ = pol.choose("y" * 320)                       # no match: the least loaded one
     assert other is not r1
-    r1.in_flight = 20                                       # the holder is much busier: go elsewhere
+    r1.queue = 20                                           # the holder is much busier: go elsewhere
     r3, why = pol.choose(fam + "3")
     assert r3 is not r1 and "busy" in why
     b.healthy = a.healthy = False
