@@ -1,6 +1,6 @@
 """Structured outputs: a grammar per constrained sequence (llguidance's LLMatcher), and the batch's
 token mask. The scheduler owns the matchers with the rest of the request state: it fills the mask
-of every constrained row when it forms a step (one parallel call into llguidance), advances each
+of every constrained row when it forms a step, advances each
 matcher by the token the sequence appended, and copies it when an n > 1 request forks. The runner
 only applies the mask (a packed bitmask: bit t of row r = token t allowed). Plain Python: no torch."""
 from __future__ import annotations
@@ -100,7 +100,3 @@ def _grammar(so: StructuredOutputsParams) -> str:
         grammar = gbnf_to_lark(grammar)
     return LLMatcher.grammar_from_lark(grammar)
 
-
-def allowed(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """A packed mask row as booleans over the vocabulary (for tests and debugging)."""
-    return np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)

@@ -54,7 +54,6 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
-        self.num_admitted = 0                     # waiting -> running moves, ever (the dashboard marks them)
         self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
 
     # ------------------------------------------------------------ admission
@@ -115,6 +114,7 @@ class Scheduler:
         plan: list[tuple[Request, int]] = []      # (request, tokens to compute), in scheduling order
         preempted: list[str] = []
         budget = self._schedule_running(plan, preempted, self.cfg.max_num_batched_tokens)
+        num_running = len(plan)
         if not preempted:
             self._schedule_waiting(plan, budget)
         plan.sort(key=lambda p: p[1] != 1)        # decodes first: the runner batches them
@@ -122,7 +122,8 @@ class Scheduler:
         constrained = tuple(s.request_id for s in seqs if s.sampling is not None
                             and self.requests[s.request_id].grammar is not None)
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
-        return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask)
+        return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
+                               num_admitted=len(plan) - num_running)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         """The step's record of one sequence; advances its progress counters."""
@@ -198,7 +199,6 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
             heapq.heappop(self.waiting)
-            self.num_admitted += 1
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()

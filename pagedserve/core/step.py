@@ -75,6 +75,7 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
+    num_admitted: int = 0                      # waiting requests that joined the batch this step
 
     @property
     def num_decode_tokens(self) -> int:

@@ -69,7 +69,6 @@ class LLMEngine:
         self.last_stats = StepStats()
         self.last_schedule: SchedulerOutput | None = None     # what the last step ran (calibration reads it)
         self._ids = itertools.count()
-        self._admitted_seen = 0
 
     # ------------------------------------------------------------ memory plan
     def _workspace_bytes(self, dtype) -> int:
@@ -234,14 +233,13 @@ class LLMEngine:
         c.preemptions += len(so.preempted)
         c.prefix_queries, c.prefix_hits = kv.prefix_queries, kv.prefix_hits
         free = kv.num_free_blocks
-        admitted, self._admitted_seen = sch.num_admitted - self._admitted_seen, sch.num_admitted
         self.last_stats = StepStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             num_preempted_waiting=sum(1 for _, r in sch.waiting if r.num_preemptions),
             num_free_blocks=free, num_used_blocks=kv.pool.num_usable_blocks - free,
             num_cached_blocks=kv.pool.num_cached_blocks(), kv_usage=kv.usage(),
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
-            num_preemptions=len(so.preempted), num_admitted=admitted, step_s=step_s, forward_s=ro.forward_s,
+            num_preemptions=len(so.preempted), num_admitted=so.num_admitted, step_s=step_s, forward_s=ro.forward_s,
             prepare_s=ro.prepare_s, sample_s=ro.sample_s)
 
 

@@ -12,7 +12,7 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
-                                              usage_counts)
+                                              usage_of)
 from pagedserve.entrypoints.server import RequestError, ServerState
 from pagedserve.tokenizer import apply_chat_template
 
@@ -49,7 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     out, = await collect(http, streams)
     return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
-            "usage": _usage(out)}
+            "usage": usage_of([out])}
 
 
 def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, top: int, mode: str) -> dict:
@@ -63,10 +63,6 @@ def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, t
             finish = "tool_calls"
     return {"index": o.index, "message": message, "logprobs": chat_logprobs(st.engine.tokenizer, o, top),
             "finish_reason": finish, "stop_reason": o.stop_reason}
-
-
-def _usage(out: RequestOutput) -> dict:
-    return usage_counts(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
 
 
 async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCompletionRequest, top: int,

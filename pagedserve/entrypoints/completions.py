@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
-                                              submit, usage_counts)
+                                              submit, usage_of)
 from pagedserve.entrypoints.server import RequestError, ServerState
 
 router = APIRouter()
@@ -46,11 +46,8 @@ async def completions(body: CompletionRequest, http: Request):
     outs = await collect(http, streams)
     choices = [_choice(st, body, p, out, o, i * body.n + o.index, echo_only, echo=body.echo)
                for i, (p, out) in enumerate(zip(prompts, outs)) for o in out.outputs]
-    completion = 0 if echo_only else sum(len(o.token_ids) for out in outs for o in out.outputs)
     return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-            "choices": choices,
-            "usage": usage_counts(sum(len(o.prompt_token_ids) for o in outs), completion,
-                                  sum(o.num_cached_tokens for o in outs))}
+            "choices": choices, "usage": usage_of(outs, count_completion=not echo_only)}
 
 
 def _prompts(st: ServerState, prompt) -> list[dict]:
@@ -137,7 +134,4 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: Comple
         yield wrap([{"index": index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
                      "stop_reason": o.stop_reason}])
     if body.stream_options and body.stream_options.include_usage:
-        u = usage.body()
-        if echo_only:
-            u = usage_counts(u["prompt_tokens"], 0, u["prompt_tokens_details"]["cached_tokens"])
-        yield wrap([]) | {"usage": u}
+        yield wrap([]) | {"usage": usage.body(count_completion=not echo_only)}

@@ -93,8 +93,9 @@ class Usage:
     cached: dict[int, int] = field(default_factory=dict)
     completion: int = 0
 
-    def body(self) -> dict:
-        return usage_counts(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
+    def body(self, count_completion: bool = True) -> dict:
+        return usage_counts(sum(self.prompt.values()), self.completion if count_completion else 0,
+                            sum(self.cached.values()))
 
 
 async def deltas(streams: list[RequestStream], usage: Usage) -> AsyncIterator[tuple[int, object]]:
@@ -190,6 +191,13 @@ def sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingR
             yield f"data: {json.dumps(error_body(500, f'the engine is dead: {e}', None, 'engine_dead'))}\n\n"
         yield "data: [DONE]\n\n"
     return EngineStreamResponse(body(), streams)
+
+
+def usage_of(outs: list[RequestOutput], count_completion: bool = True) -> dict:
+    """The usage of finished outputs (several prompts' add up); without the completion tokens when
+    none were returned (echo with max_tokens 0)."""
+    completion = sum(len(o.token_ids) for out in outs for o in out.outputs) if count_completion else 0
+    return usage_counts(sum(len(o.prompt_token_ids) for o in outs), completion, sum(o.num_cached_tokens for o in outs))
 
 
 def usage_counts(prompt: int, completion: int, cached: int) -> dict:

@@ -513,13 +513,4 @@ void paged_prefill_attention(const float *q, const void *k_cache, const void *v_
                                       out, num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale);
 }
 
-/* the level this build was compiled for, so the loader can log it and tests can name it */
-const char *paged_attention_isa(void) {
-#if defined(__AVX512F__)
-    return "avx512";
-#elif defined(__AVX2__)
-    return "avx2";
-#else
-    return "generic";
-#endif
-}
+DEFINE_ISA(paged_attention_isa)

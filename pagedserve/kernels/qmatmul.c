@@ -282,12 +282,4 @@ void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t
     DEQ[fmt](w, K, row_bytes, rows, n, out, bf16);
 }
 
-const char *qmatmul_isa(void) {
-#if defined(__AVX512F__)
-    return "avx512";
-#elif defined(__AVX2__)
-    return "avx2";
-#else
-    return "generic";
-#endif
-}
+DEFINE_ISA(qmatmul_isa)

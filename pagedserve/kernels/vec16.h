@@ -27,6 +27,17 @@ static int g_threads = 0;
 #define DEFINE_SET_THREADS(name) \
     void name(int n) { g_threads = n > 0 ? n : 0; }
 
+/* the level a build was compiled for, so the loader can log it and tests can name it */
+#if defined(__AVX512F__)
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__)
+#define ISA_NAME "avx2"
+#else
+#define ISA_NAME "generic"
+#endif
+#define DEFINE_ISA(name) \
+    const char *name(void) { return ISA_NAME; }
+
 INLINE v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 INLINE v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }

@@ -45,8 +45,9 @@ class Sampler:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
         masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains."""
         params = [r.params for r in reqs]
-        want_lp = [p.logprobs for p in params]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # the model's own logprobs, of the rows that want them (a copy: the masks below work in place)
+        raw_lp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         logits = self._apply_penalties(logits, reqs)
         logits = _apply_logit_bias(logits, reqs)
         if masks is not None:
@@ -58,10 +59,10 @@ class Sampler:
             tokens = self._sample_random(logits, reqs, greedy)
         ids = tokens.tolist()
         out = [SampledToken(t) for t in ids]
-        if raw_lp is not None:
-            for i, k in enumerate(want_lp):
-                if k is not None:
-                    out[i].logprobs = logprobs_of(raw_lp[i:i + 1], [ids[i]], k)[0]
+        if lp_rows:               # one call for all rows at the largest k, each row then cut to its own k
+            ks = [params[i].logprobs for i in lp_rows]
+            for i, k, d in zip(lp_rows, ks, logprobs_of(raw_lp, [ids[i] for i in lp_rows], max(ks))):
+                out[i].logprobs = d if k == max(ks) else {t: v for t, v in d.items() if t == ids[i] or v.rank <= k}
         return out
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:

@@ -35,41 +35,19 @@ GEN = [("Q: What is the capital of Italy?\nA:", "Rome"), ("Q: What is 3 + 4?\nA:
 def write_tasks(folder: str) -> dict[str, str]:
     """Writes the data and task YAMLs; returns {task name: yaml path}."""
     os.makedirs(folder, exist_ok=True)
-    mc_data, gen_data = os.path.join(folder, "mc.jsonl"), os.path.join(folder, "gen.jsonl")
-    with open(mc_data, "w") as f:
-        for q, c, a in MC:
-            f.write(json.dumps({"question": q, "choices": c, "answer": a}) + "\n")
-    with open(gen_data, "w") as f:
-        for q, a in GEN:
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
-    mc = os.path.join(folder, "pagedserve_mc.yaml")
-    with open(mc, "w") as f:
-        f.write(f"""task: pagedserve_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {mc_data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+    mc = [{"question": q, "choices": c, "answer": a} for q, c, a in MC]
+    gen = [{"question": q, "answer": a} for q, a in GEN]
+    return {"pagedserve_mc": _task(folder, "pagedserve_mc", mc, """output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
 doc_to_choice: choices
 doc_to_target: answer
 target_delimiter: " "
 metric_list:
   - metric: acc
   - metric: acc_norm
-""")
-    gen = os.path.join(folder, "pagedserve_gen.yaml")
-    with open(gen, "w") as f:
-        f.write(f"""task: pagedserve_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {gen_data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
+"""), "pagedserve_gen": _task(folder, "pagedserve_gen", gen, """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 16
@@ -79,5 +57,15 @@ metric_list:
   - metric: exact_match
     ignore_case: true
     ignore_punctuation: true
-""")
-    return {"pagedserve_mc": mc, "pagedserve_gen": gen}
+""")}
+
+
+def _task(folder: str, name: str, docs: list[dict], body: str) -> str:
+    """A local JSONL test split and the task YAML that reads it (the task-specific lines in `body`)."""
+    data, yaml = os.path.join(folder, f"{name}.jsonl"), os.path.join(folder, f"{name}.yaml")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    with open(yaml, "w") as f:
+        f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                f"test_split: test\n" + body)
+    return yaml
