@@ -192,7 +192,7 @@ def prefill_chunks(llm, eng, a):
         rows.append({"keys": min(done, n), "step_ms": round(1e3 * step, 1), "attention_ms": round(1e3 * att, 1),
                      "gemm_ms": round(1e3 * gemm, 1), "attention_share": round(att / step, 3),
                      "gemm_share": round(gemm / step, 3)})
-    print(f"| keys after chunk | step ms | attention ms | GEMMs ms | attention share | GEMM share |")
+    print("| keys after chunk | step ms | attention ms | GEMMs ms | attention share | GEMM share |")
     for r in rows:
         print(f"| {r['keys']:>6} | {r['step_ms']:>7} | {r['attention_ms']:>8} | {r['gemm_ms']:>8} | "
               f"{100 * r['attention_share']:>5.1f}% | {100 * r['gemm_share']:>5.1f}% |")

@@ -38,7 +38,14 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_h("seed of the sampler's shared generator"))
     kv_allocation: str = field(default="paged", metadata=_h("paged | contiguous (reserve max_model_len tokens per request; for experiments)"))
     scheduling_policy: str = field(default="continuous", metadata=_h("continuous | static (a batch runs until its longest member ends; for experiments)"))
-    num_threads: int | None = field(default=None, metadata=_h("torch CPU threads; default: all cores"))
+    num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (per rank); default: all cores, "
+                                                              "divided among the local tensor-parallel ranks"))
+    tensor_parallel_size: int = field(default=1, metadata=_h(
+        "shard the model over this many ranks (Megatron-style: heads, MLP and vocabulary split, two all-reduces "
+        "per layer; gloo on CPU, NCCL on CUDA); must divide the attention heads, KV heads and MLP size"))
+    distributed_executor_backend: str = field(default="mp", metadata=_h(
+        "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
+        "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -51,6 +58,12 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "must be a positive integer")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "must be a positive integer")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
+                                        "sharded)")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -65,7 +78,8 @@ class EngineArgs:
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
                    "quantization": ("none", "gguf", "int8"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
-                   "scheduling_policy": ("continuous", "static")}
+                   "scheduling_policy": ("continuous", "static"),
+                   "distributed_executor_backend": ("mp", "ray", "external_launcher")}
         for name, ok in choices.items():
             if getattr(self, name) not in ok:
                 bad(name, f"must be one of {ok}")

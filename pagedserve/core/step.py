@@ -2,7 +2,7 @@
 only these (never a live `Request`); each is immutable and holds plain ids and ints."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps
@@ -15,13 +15,17 @@ class SamplingRow:
     """What the sampler needs about one sequence that samples this step."""
 
     request_id: str
-    params: SamplingParams
+    params: SamplingParams | None       # None in the copy tensor-parallel workers get (they never sample)
     generator_seed: int | None          # per-request generator; None: the sampler's shared one
     num_samples: int                    # > 1 only at the first token of an n > 1 request (it forks)
     num_output_tokens: int              # for min_tokens
     eos_token_ids: tuple[int, ...]
     history: tuple[int, ...] = ()       # prompt + output ids, only when a penalty needs them
     num_prompt_tokens: int = 0
+
+    def for_workers(self) -> SamplingRow:
+        """What a rank that does not sample needs: how many logit rows (num_samples)."""
+        return replace(self, params=None, history=(), eos_token_ids=())
 
     @classmethod
     def of(cls, req: Request) -> SamplingRow:
@@ -61,6 +65,9 @@ class ScheduledSeq:
         """One query token: the decode attention path (the one place this question is answered)."""
         return len(self.token_ids) == 1
 
+    def for_workers(self) -> ScheduledSeq:
+        return self if self.sampling is None else replace(self, sampling=self.sampling.for_workers())
+
     @classmethod
     def of(cls, req: Request, start: int, n: int, block_ids, sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None) -> ScheduledSeq:
@@ -76,6 +83,11 @@ class SchedulerOutput:
     grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
     num_admitted: int = 0                      # waiting requests that joined the batch this step
+
+    def for_workers(self) -> SchedulerOutput:
+        """The record broadcast to tensor-parallel ranks > 0: everything the forward and the LM head
+        need, no sampling parameters or grammar masks (rank 0 samples)."""
+        return replace(self, seqs=tuple(s.for_workers() for s in self.seqs), grammar_rows=(), grammar_bitmask=None)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -161,6 +161,8 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self.engine.shutdown()
 
     async def call(self, fn: Callable[[], object]) -> object:
         """Run fn in the engine thread between two steps (a consistent view of its state); its result

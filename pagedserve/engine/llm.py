@@ -21,6 +21,16 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers now (they also stop when the LLM is collected or at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -19,9 +19,12 @@ from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOut
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
 from pagedserve.host import auto_dtype
-from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.distributed.executor import make_executor
+from pagedserve.distributed.sharding import check_tensor_parallel
+from pagedserve.distributed.worker import CacheSpec
+from pagedserve.model.loader import load_model, read_model_config, resolve_model
 from pagedserve.model.quant import weight_bytes
-from pagedserve.runner.model_runner import ModelRunner, RunnerOutput
+from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer
 
@@ -40,14 +43,31 @@ class LLMEngine:
         self.source = resolve_model(args.model)
         dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
         log.info("dtype %s (%s)", dtype_name, why)
-        dtype = _DTYPES[dtype_name]
-        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization)
-        self.tokenizer = load_tokenizer(self.source)
+        if args.tensor_parallel_size > 1:       # before any worker starts
+            check_tensor_parallel(read_model_config(self.source), args.tensor_parallel_size)
+        self.executor = make_executor(args, self.source, dtype_name)
+        try:
+            self._build(_DTYPES[dtype_name])
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.load_s = time.perf_counter() - t0
+        self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
+        self.counters = EngineCounters()
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.counters)
+        self.last_stats = StepStats()
+        self.last_schedule: SchedulerOutput | None = None     # what the last step ran (calibration reads it)
+        self._ids = itertools.count()
+
+    def _build(self, dtype: torch.dtype) -> None:
+        """Load this rank's model, plan memory, build the cache manager, the scheduler and the runners."""
+        args, tp = self.args, self.executor.tp
+        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization, tp)
+        self.tokenizer = load_tokenizer(self.source)
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
-        self.weights_bytes = weight_bytes(self.model)
+        self.weights_bytes = weight_bytes(self.model) * tp.size
         self.workspace_bytes = self._workspace_bytes(dtype)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
@@ -58,17 +78,17 @@ class LLMEngine:
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, num_host, args.seed, kv_dtype)
-        self.kv_cache_bytes = self.runner.kv_cache_bytes
+        # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
+        self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
+                                                                      kv_dtype, args.seed))
+        self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
-        self.counters = EngineCounters()
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.counters)
-        self.last_stats = StepStats()
-        self.last_schedule: SchedulerOutput | None = None     # what the last step ran (calibration reads it)
-        self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""
+        self.executor.shutdown()
 
     # ------------------------------------------------------------ memory plan
     def _workspace_bytes(self, dtype) -> int:
@@ -193,8 +213,10 @@ class LLMEngine:
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
         try:
-            ro = self.runner.execute(so)
+            ro = self.executor.execute(so)
             outs = [self.outputs.output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
+        except EngineDeadError:                 # a tensor-parallel rank is gone: nothing local is left
+            raise
         except Exception as e:
             log.exception("engine step failed; failing the requests it ran")
             ro, outs = RunnerOutput(), self._fail_step(so, e)

@@ -52,15 +52,31 @@ def sampling_from(ns):
                           top_k=ns.top_k, seed=ns.sampling_seed)
 
 
+def runs_as_worker(args: EngineArgs) -> bool:
+    """Under torchrun with --distributed-executor-backend external_launcher, every rank runs the same
+    command: rank 0 is the engine, the others run the tensor-parallel worker loop (returns True)."""
+    from pagedserve.distributed.executor import is_external_worker, run_worker_from_env
+    if not is_external_worker(args):
+        return False
+    run_worker_from_env(args)
+    return True
+
+
 def cmd_generate(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(engine_args_from(ns))
-    params = sampling_from(ns)
-    prompt = ns.prompt
-    if not ns.raw:
-        from pagedserve.tokenizer import apply_chat_template
-        prompt = {"prompt_token_ids": apply_chat_template(eng.tokenizer, [{"role": "user", "content": ns.prompt}])}
-    _stream(eng, prompt, params)
+    args = engine_args_from(ns)
+    if runs_as_worker(args):
+        return 0
+    eng = LLMEngine(args)
+    try:
+        params = sampling_from(ns)
+        prompt = ns.prompt
+        if not ns.raw:
+            from pagedserve.tokenizer import apply_chat_template
+            prompt = {"prompt_token_ids": apply_chat_template(eng.tokenizer, [{"role": "user", "content": ns.prompt}])}
+        _stream(eng, prompt, params)
+    finally:
+        eng.shutdown()
     return 0
 
 
@@ -79,8 +95,18 @@ def _stream(eng, prompt, params) -> str:
 
 def cmd_chat(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
+    args = engine_args_from(ns)
+    if runs_as_worker(args):
+        return 0
+    eng = LLMEngine(args)
+    try:
+        return _chat(eng, ns)
+    finally:
+        eng.shutdown()
+
+
+def _chat(eng, ns) -> int:
     from pagedserve.tokenizer import apply_chat_template
-    eng = LLMEngine(engine_args_from(ns))
     params = sampling_from(ns)
     messages: list[dict] = []
     if ns.system:
@@ -107,7 +133,13 @@ def cmd_chat(ns) -> int:
 
 def cmd_serve(ns) -> int:
     from pagedserve.entrypoints.server import run_server
-    return run_server(engine_args_from(ns), ns)
+    args = engine_args_from(ns)
+    if ns.data_parallel_size != 1:
+        from pagedserve.router.replicas import run_data_parallel
+        return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])
+    if runs_as_worker(args):
+        return 0
+    return run_server(args, ns)
 
 
 def cmd_top(ns) -> int:
@@ -167,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="N > 1: start N replicas (each with these engine flags, on ports after --port) behind the "
+                        "cache-aware router on --host:--port")
     s.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live view of the cache and the schedule at /dashboard (and /debug/state)")
     add_engine_flags(s, positional_model=True)
@@ -196,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return ns.fn(ns)
     except ValueError as e:

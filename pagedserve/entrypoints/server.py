@@ -276,4 +276,5 @@ def run_server(args: EngineArgs, ns) -> int:
     state.aengine.run()
     t.join()
     loop.close()
+    engine.shutdown()                     # tensor-parallel workers leave (nothing with one rank)
     return exit_code

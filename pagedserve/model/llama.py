@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.group import TPGroup
+from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.quant import PackedWeight, measure_crossover
@@ -64,16 +66,21 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Under tensor parallelism (tp.size = N) the layer holds 1/N of the heads and of the MLP
+    (pagedserve.distributed.sharding) and all-reduces the outputs of o_proj and down_proj."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.hd, self.eps = cfg.num_heads, cfg.num_kv_heads, hd, cfg.rms_norm_eps
+        h, hd, n = cfg.hidden_size, cfg.head_dim, tp.size
+        self.tp = tp
+        self.n_heads, self.n_kv, self.hd, self.eps = cfg.num_heads // n, cfg.num_kv_heads // n, hd, cfg.rms_norm_eps
+        inter = cfg.intermediate_size // n
         self.attn_norm = nn.Parameter(torch.empty(h))
-        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
         self.mlp_norm = nn.Parameter(torch.empty(h))
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
         self.transposed = False        # small-batch GEMM form, see linear()
 
     def forward(self, x, cos, sin, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
@@ -86,9 +93,9 @@ class DecoderLayer(nn.Module):
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
         write_kv(kv, k, v, md.slot_mapping)
         o = paged_attention(q, kv, md, 1.0 / math.sqrt(self.hd))
-        x = x + linear(o.reshape(T, -1), self.o_proj.weight, None, tr)
+        x = x + self.tp.all_reduce(linear(o.reshape(T, -1), self.o_proj.weight, None, tr))
         gate, up = linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj.weight, None, tr)
+        return x + self.tp.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight, None, tr))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +105,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class LlamaForCausalLM(nn.Module):
     """forward() returns hidden states of every row; compute_logits() runs the LM head on the few
-    rows that will sample."""
+    rows that will sample. `cfg` is the whole model's shape; under tensor parallelism this rank
+    holds its slice of the vocabulary and of every layer, and logits come back on rank 0 only."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TPGroup.single()
+        self.vocab_first, self.vocab_end, vocab_rows = vocab_slice(cfg.vocab_size, tp.rank, tp.size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # cos, sin: (positions, 1, hd)
@@ -135,16 +145,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                   # (T, hidden)
+        x = self.embed(input_ids)                                          # (T, hidden)
         cos, sin = self.rope(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, md)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is exact
+        mine = (input_ids >= self.vocab_first) & (input_ids < self.vocab_end)
+        x = self.embed_tokens(torch.where(mine, input_ids - self.vocab_first, 0))
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits (rows, vocab); under tensor parallelism on rank 0 only (None elsewhere)."""
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, w, None, self.transposed).float()
+        logits = self.tp.gather_columns(linear(h, w, None, self.transposed).float())
+        return None if logits is None else logits[:, :self.cfg.vocab_size]
 
     @torch.inference_mode()
     def choose_gemm_form(self) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.distributed.group import TPGroup
+from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
@@ -78,11 +80,18 @@ _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
 
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none", tp: TPGroup | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
     process share one loaded copy per (file, dtype, device, quantization).
     quantization: none (dense in `dtype`) | gguf (the file's quantized tensors stay packed) | int8
-    (every linear weight quantized per output channel at load)."""
+    (every linear weight quantized per output channel at load).
+    tp: this rank's tensor-parallel group; the model is built with this rank's slices only (never
+    shared: it holds the group's collectives)."""
+    if tp is not None and tp.size > 1:
+        if quantization != "none":
+            raise ValueError(f"quantization {quantization!r} is not supported with tensor_parallel_size > 1 "
+                             "(packed weights are not sharded); use quantization none")
+        return _load_model(src, dtype, device, quantization, tp)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization != "none" and device != "cpu":
@@ -107,8 +116,8 @@ def cache_dir(path: str, kind: str) -> str:
     return os.path.join(root, kind, key)
 
 
-def _load_model(src: ModelSource, dtype: torch.dtype, device: str,
-                quantization: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
+                tp: TPGroup | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     if quantization == "gguf":
         cfg, weights = _read_gguf(src.path, dtype, packed=True)
     else:
@@ -118,8 +127,11 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str,
     if quantization == "int8":
         sd = {k: quantize_int8(v) if _is_matrix(k) else v.to(dtype) for k, v in sd.items()}
     sd = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    if tp is not None and tp.size > 1:
+        check_tensor_parallel(cfg, tp.size)
+        sd = shard_state_dict(cfg, sd, tp.rank, tp.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     for key, w in sd.items():
         if isinstance(w, PackedWeight):     # the module holding it becomes a packed one
             parent, _, child = key.removesuffix(".weight").rpartition(".")

@@ -1,6 +1,9 @@
 """The model runner owns every tensor: weights, the paged KV cache, the host swap tier. Per step:
 block copies -> inputs (one flattened batch) -> model -> logits of sampling rows -> sampler.
-It reads only the step's immutable records (`pagedserve.core.step`), never a live Request."""
+It reads only the step's immutable records (`pagedserve.core.step`), never a live Request.
+
+Under tensor parallelism every rank runs one: each holds its slice of the weights and of the KV
+heads, with the same block ids; all run the same step record; only rank 0 gets logits and samples."""
 from __future__ import annotations
 
 import time
@@ -11,6 +14,7 @@ import torch
 
 from pagedserve.core.step import PromptLogprobsRow, SamplingRow, SchedulerOutput
 from pagedserve import kernels
+from pagedserve.errors import EngineDeadError
 from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
@@ -30,6 +34,8 @@ class ModelRunner:
                  seed: int = 0, kv_cache_dtype: torch.dtype | None = None):
         cfg = model.cfg
         self.model = model
+        self.tp_size = model.tp.size
+        self.num_kv_heads = cfg.num_kv_heads // self.tp_size      # this rank's KV heads
         self.block_size = block_size
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -43,14 +49,14 @@ class ModelRunner:
                           for i in range(cfg.num_layers)]
         self.sampler = Sampler(seed)
         self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
-                           and kernels.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+                           and kernels.supports(cfg.head_dim, cfg.num_heads // self.tp_size, self.num_kv_heads)
                            and kernels.load() is not None)
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
 
     def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.model.cfg
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads)
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
         data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device)
         scales = torch.zeros(shape, dtype=torch.float32, device=device) if kv_scale_bytes(self.kv_dtype) else None
         return data, scales
@@ -142,11 +148,18 @@ class ModelRunner:
             input_ids, positions = input_ids.to(dev), positions.to(dev)
             md = _to_device(md, dev)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
         # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
         for _, first, plp in prompt_rows:
             rows.extend(range(first, first + len(plp.targets)))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+        except Exception as e:
+            if self.tp_size == 1:
+                raise
+            # the other ranks may be waiting in a collective this rank never reached: nothing local is left
+            raise EngineDeadError(f"a tensor-parallel forward failed on this rank ({type(e).__name__}: {e}); "
+                                  "the ranks are out of step") from e
         t2 = time.perf_counter()
         if logits is not None:
             logits = logits.cpu()

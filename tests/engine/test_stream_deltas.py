@@ -1,23 +1,16 @@
 """Streams carry deltas: each step hands out only what is new, so a 4,000-token generation moves
 4,000 tokens' worth of ids and text in total (a snapshot per step would move ~8 million)."""
 import pytest
-import torch
 
 from pagedserve import LLM, LLMEngine, SamplingParams
+from tests.model.helpers import save_random_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory, tokenizer):
     """A small random Llama with the default model's tokenizer: thousands of steps in seconds."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      tie_word_embeddings=True)
-    d = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    tokenizer.save_pretrained(d)
-    return LLMEngine(model=str(d), num_kv_blocks=300, max_model_len=4200)
+    d = save_random_llama(tmp_path_factory.mktemp("tiny-with-tokenizer"), tokenizer)
+    return LLMEngine(model=d, num_kv_blocks=300, max_model_len=4200)
 
 
 def test_4000_token_stream_moves_each_token_once(tiny_engine):

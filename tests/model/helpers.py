@@ -48,3 +48,15 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logprobs, tol: floa
             assert gap < tol, f"position {i}: ours {a} vs HF {b}, logprob gap {gap:.2e} (not a near-tie)"
             return
     assert len(ours) == len(ref)
+
+
+def save_random_llama(d, tokenizer, **config) -> str:
+    """A seeded random Llama (HF's own class) with the default model's tokenizer, saved as safetensors
+    in d: an HF folder any engine loads. `config`: LlamaConfig fields over small defaults."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+    LlamaForCausalLM(LlamaConfig(**(cfg | config))).save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    return str(d)

@@ -130,3 +130,26 @@ def test_a_replica_killed_mid_run(replicas):
         assert after == ["ok"] * 6
         state = httpx.get(router + "/router/state").json()
         assert [r["healthy"] for r in state["replicas"]] == [False, True], json.dumps(state)
+
+
+def test_serve_data_parallel_size_starts_replicas_behind_the_router():
+    """`serve --data-parallel-size 2`: two replicas on the ports after --port, the router on --port; a
+    SIGTERM stops all three."""
+    import signal
+    from pagedserve.router.replicas import replica_argv
+    assert replica_argv(["m.gguf", "--port", "9", "--data-parallel-size=2", "--num-kv-blocks", "40"], 8001, 1) == \
+        ["m.gguf", "--num-kv-blocks", "40", "--host", "127.0.0.1", "--port", "8001", "--num-threads", "1"]
+    with serve_in_process(["--data-parallel-size", "2", "--num-kv-blocks", "40", "--no-dashboard"],
+                          ready_timeout=240) as (base, proc):
+        rs = _run(base, family_prompts(5, n_families=2, per_family=3))
+        assert all(r.status_code == 200 for r in rs)
+        state = httpx.get(base + "/router/state").json()
+        assert len(state["replicas"]) == 2 and all(r["healthy"] for r in state["replicas"])
+        port = int(base.rsplit(":", 1)[1])
+        kids = [httpx.get(f"http://127.0.0.1:{port + i}/health").status_code for i in (1, 2)]
+        assert kids == [200, 200]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for i in (1, 2):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=2)
