@@ -41,9 +41,7 @@ class Executor:
         self.runner = None
 
     def init_runner(self, model, cache: CacheSpec):
-        from pagedserve.runner.model_runner import ModelRunner
-        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size, cache.num_host_blocks, cache.seed,
-                                  cache.kv_dtype)
+        self.runner = cache.runner(model)
         return self.runner
 
     def execute(self, so):
@@ -80,6 +78,7 @@ class TPExecutor(Executor):
             torch.set_num_threads(threads)
         self._finalizer = weakref.finalize(self, ranks.stop, 0.0)   # collected or at exit: no waiting
         self._dead: str | None = None
+        self._closed = False
         try:
             self.tp = self._wait("join the tensor-parallel group", join)
         except BaseException:
@@ -110,8 +109,7 @@ class TPExecutor(Executor):
         return box.get("value")
 
     def _reports(self) -> str:
-        tp = getattr(self, "tp", None)
-        errs = tp.reported_errors() if tp is not None and tp.size > 1 else []
+        errs = self.tp.reported_errors() if self.tp.size > 1 else []
         return "".join(f"\n  {e.strip()}" for e in errs)
 
     def init_runner(self, model, cache: CacheSpec):
@@ -142,19 +140,17 @@ class TPExecutor(Executor):
         return (f"; {gone}" if gone else "") + self._reports()
 
     def shutdown(self) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
-        tp = getattr(self, "tp", None)
-        if tp is not None and tp.size > 1 and not getattr(self, "_dead", None) and not self._ranks.gone():
+        if self.tp.size > 1 and not self._dead and not self._ranks.gone():
             try:
-                tp.broadcast_object(None)          # every worker leaves its loop
+                self.tp.broadcast_object(None)     # every worker leaves its loop
             except Exception:
                 pass
-        self._ranks.stop(0.0 if getattr(self, "_dead", None) else 10.0)   # dead: they may sit in a collective
+        self._ranks.stop(0.0 if self._dead else 10.0)   # dead: they may sit in a collective
         self._finalizer.detach()
-        if tp is not None:
-            tp.close()
+        self.tp.close()
         torch.set_num_threads(self._threads_before)
 
 

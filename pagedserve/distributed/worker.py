@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.distributed.group import Rendezvous, TPGroup
 from pagedserve.model.loader import ModelSource, load_model
+from pagedserve.runner.model_runner import ModelRunner
 
 log = logging.getLogger("pagedserve")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,10 +45,13 @@ class CacheSpec:
     kv_dtype: torch.dtype
     seed: int
 
+    def runner(self, model) -> ModelRunner:
+        """This rank's runner: the planned blocks for its own KV heads."""
+        return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype)
+
 
 def run_worker(spec: WorkerSpec) -> None:
     """The worker's whole life. A failure is written to the rendezvous store for rank 0 to report."""
-    from pagedserve.runner.model_runner import ModelRunner   # (after the fork/spawn: torch is set up)
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
@@ -58,8 +62,7 @@ def run_worker(spec: WorkerSpec) -> None:
         cache: CacheSpec | None = group.broadcast_object()
         if cache is None:                                       # rank 0 failed to start: leave quietly
             return
-        runner = ModelRunner(model, cache.num_blocks, cache.block_size, cache.num_host_blocks, cache.seed,
-                             cache.kv_dtype)
+        runner = cache.runner(model)
         group.all_reduce(torch.zeros(1))                       # ready
         while (so := group.broadcast_object()) is not None:
             runner.execute(so)

@@ -52,10 +52,13 @@ def sampling_from(ns):
                           top_k=ns.top_k, seed=ns.sampling_seed)
 
 
-def runs_as_worker(args: EngineArgs) -> bool:
+def runs_as_worker(ns) -> bool:
     """Under torchrun with --distributed-executor-backend external_launcher, every rank runs the same
-    command: rank 0 is the engine, the others run the tensor-parallel worker loop (returns True)."""
+    engine command: rank 0 is the engine, the others run the tensor-parallel worker loop (returns True)."""
+    if ns.cmd not in ("generate", "chat", "serve"):
+        return False
     from pagedserve.distributed.executor import is_external_worker, run_worker_from_env
+    args = engine_args_from(ns)
     if not is_external_worker(args):
         return False
     run_worker_from_env(args)
@@ -64,10 +67,7 @@ def runs_as_worker(args: EngineArgs) -> bool:
 
 def cmd_generate(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    args = engine_args_from(ns)
-    if runs_as_worker(args):
-        return 0
-    eng = LLMEngine(args)
+    eng = LLMEngine(engine_args_from(ns))
     try:
         params = sampling_from(ns)
         prompt = ns.prompt
@@ -95,10 +95,7 @@ def _stream(eng, prompt, params) -> str:
 
 def cmd_chat(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    args = engine_args_from(ns)
-    if runs_as_worker(args):
-        return 0
-    eng = LLMEngine(args)
+    eng = LLMEngine(engine_args_from(ns))
     try:
         return _chat(eng, ns)
     finally:
@@ -133,13 +130,10 @@ def _chat(eng, ns) -> int:
 
 def cmd_serve(ns) -> int:
     from pagedserve.entrypoints.server import run_server
-    args = engine_args_from(ns)
     if ns.data_parallel_size != 1:
         from pagedserve.router.replicas import run_data_parallel
         return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])
-    if runs_as_worker(args):
-        return 0
-    return run_server(args, ns)
+    return run_server(engine_args_from(ns), ns)
 
 
 def cmd_top(ns) -> int:
@@ -233,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return ns.fn(ns)
+        return 0 if runs_as_worker(ns) else ns.fn(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,13 +87,13 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
     (every linear weight quantized per output channel at load).
     tp: this rank's tensor-parallel group; the model is built with this rank's slices only (never
     shared: it holds the group's collectives)."""
-    if tp is not None and tp.size > 1:
-        if quantization != "none":
-            raise ValueError(f"quantization {quantization!r} is not supported with tensor_parallel_size > 1 "
-                             "(packed weights are not sharded); use quantization none")
-        return _load_model(src, dtype, device, quantization, tp)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if tp is not None and tp.size > 1:
+        if quantization != "none":      # (EngineArgs refuses this first; direct callers get the same answer)
+            raise ValueError(f"quantization {quantization!r} is not supported with tensor_parallel_size > 1: "
+                             "packed weights are not sharded")
+        return _load_model(src, dtype, device, quantization, tp)
     if quantization != "none" and device != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device} use quantization none")
     if quantization == "gguf" and src.kind != "gguf":

@@ -122,6 +122,9 @@ class ModelRunner:
                 sample_rows.extend([s.sampling] * k)
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s.request_id, row0 + s.prompt_logprobs.first, s.prompt_logprobs))
+        # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
+        for _, first, plp in prompt_rows:
+            logit_rows.extend(range(first, first + len(plp.targets)))
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(dec_lens),
                                native=self.use_native)
         if dec_lens:
@@ -148,9 +151,6 @@ class ModelRunner:
             input_ids, positions = input_ids.to(dev), positions.to(dev)
             md = _to_device(md, dev)
         t1 = time.perf_counter()
-        # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
-        for _, first, plp in prompt_rows:
-            rows.extend(range(first, first + len(plp.targets)))
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None

@@ -37,22 +37,8 @@ TIGHT = dict(dtype="float32", num_kv_blocks=25, block_size=4, max_num_batched_to
 
 
 def _children() -> list[int]:
-    """Live child processes of this process (zombies excluded), but multiprocessing's resource
-    tracker: one per parent process, it ends with it."""
-    me, out = os.getpid(), []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resource_tracker" not in f.read():
-                    out.append(int(pid))
-    return out
+    """Live child processes of this process (see _descendants)."""
+    return _descendants(os.getpid())
 
 
 def _run(model: str, tp: int, prompts, params, **kw):
@@ -208,7 +194,8 @@ def _free_port() -> int:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Live processes whose parent is pid (multiprocessing's resource tracker excluded)."""
+    """Live processes whose parent is pid (zombies excluded), but multiprocessing's resource tracker:
+    one per parent process, it ends with it."""
     out = []
     for p in os.listdir("/proc"):
         try:
