@@ -12,7 +12,10 @@ def _h(text: str, **kw) -> dict:
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = field(default=None, metadata=_h("GGUF file or HF folder; default: the bundled SmolLM2-135M-Instruct"))
+    model: str | None = field(default=None, metadata=_h(
+        "GGUF file, HF folder or Hub id ORG/NAME[:QUANT] (a GGUF repository's file by quantization name, "
+        "e.g. :Q4_K_M); default: the bundled SmolLM2-135M-Instruct"))
+    revision: str | None = field(default=None, metadata=_h("Hub revision (branch, tag or commit) of a Hub id"))
     dtype: str = field(default="auto", metadata=_h(
         "float32 | bfloat16 | float16 | auto (bfloat16 where the CPU multiplies it natively: AMX-BF16 or "
         "AVX512-BF16; float32 on other CPUs; bfloat16 on GPU). Norms, softmax, logits and sampling stay float32"))

@@ -270,7 +270,7 @@ def run_worker_from_env(args: EngineArgs) -> None:
     from pagedserve.model.loader import resolve_model
     dtype = auto_dtype(args.device)[0] if args.dtype == "auto" else args.dtype
     local = int(os.environ.get("LOCAL_RANK", 0))
-    run_worker(WorkerSpec(resolve_model(args.model), dtype, _device(args.device, local), int(os.environ["RANK"]),
+    run_worker(WorkerSpec(resolve_model(args.model, args.revision), dtype, _device(args.device, local), int(os.environ["RANK"]),
                           None, args.num_threads))
 
 

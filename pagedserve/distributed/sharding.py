@@ -18,6 +18,9 @@ def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
     """A clear error when the model does not split over n ranks."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    if cfg.is_moe and n > 1:
+        raise ValueError(f"tensor_parallel_size {n}: the experts of an MoE model ({cfg.arch}) are not sharded; "
+                         "use tensor_parallel_size 1")
     parts = {"attention heads": cfg.num_heads, "KV heads": cfg.num_kv_heads,
              "MLP intermediate size": cfg.intermediate_size}
     bad = [f"{v} {k}" for k, v in parts.items() if v % n]
@@ -56,6 +59,8 @@ def shard_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], rank: int, n
                             (v0 + rank * nkv * hd, nkv * hd))
         elif name == "gate_up_proj":
             out[key] = rows(t, (rank * inter, inter), (cfg.intermediate_size + rank * inter, inter))
+        elif name == "o_proj" and t.dim() == 1:     # a row-parallel bias is added once, by rank 0
+            out[key] = t if rank == 0 else torch.zeros_like(t)
         elif name == "o_proj":
             out[key] = t[:, rank * nh * hd:(rank + 1) * nh * hd].contiguous()
         elif name == "down_proj":

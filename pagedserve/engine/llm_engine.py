@@ -40,7 +40,7 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         t0 = time.perf_counter()
-        self.source = resolve_model(args.model)
+        self.source = resolve_model(args.model, args.revision)
         dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
         log.info("dtype %s (%s)", dtype_name, why)
         if args.tensor_parallel_size > 1:       # before any worker starts

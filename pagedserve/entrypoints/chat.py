@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the chat template (with tools and tool results), structured outputs
-(`response_format`), tool calls (`tool_calls.py`), logprobs; whole or as SSE chunks."""
+(`response_format`), tool calls (`tool_calls.py`), reasoning (`reasoning.py`), logprobs; whole or as
+SSE chunks."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.entrypoints import tool_calls
+from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
                                               usage_of)
@@ -45,7 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream)
     created = int(time.time())
     if body.stream:
-        return sse(_chunks(st, rid, created, streams, body, top or 0, mode), streams)
+        return sse(_chunks(st, rid, created, streams, body, top or 0, mode, len(ids)), streams)
     out, = await collect(http, streams)
     return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
@@ -53,11 +54,14 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
 
 def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, top: int, mode: str) -> dict:
-    message: dict = {"role": "assistant", "content": o.text}
+    text, message = o.text, {"role": "assistant"}
+    if st.reasoning_parser:
+        message["reasoning_content"], text = reasoning.split(st.reasoning_parser, text)
+    message["content"] = text
     finish = o.finish_reason
     if mode != "none":
-        content, calls = tool_calls.parse(body, mode, o.text)
-        message = {"role": "assistant", "content": content}
+        content, calls = tool_calls.parse(body, mode, text)
+        message["content"] = content
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls"
@@ -66,18 +70,22 @@ def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, t
 
 
 async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCompletionRequest, top: int,
-                  mode: str):
+                  mode: str, n_prompt: int):
     """Text deltas as they come. With tools, a choice's text is held until it finishes and then sent
     as one `delta.tool_calls` (each call with its index) and the finish reason, or as content if the
     output was not a call."""
+    usage = Usage(prompt={0: n_prompt})
+    thinking = {i: reasoning.ReasoningStream(st.reasoning_parser) for i in range(body.n)} if st.reasoning_parser else {}
+    every = body.stream_options is not None and body.stream_options.usage_in_every_chunk()
+
     def wrap(choices):
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                "choices": choices}
+        chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                 "choices": choices}
+        return chunk | {"usage": usage.body()} if every else chunk
 
     for i in range(body.n):
         yield wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}])
-    usage = Usage()
     held: dict[int, list[str]] = {}
     async for _, item in deltas(streams, usage):
         if isinstance(item, RequestError):
@@ -88,14 +96,17 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCo
         o: CompletionOutput = item
         lp = chat_logprobs(st.engine.tokenizer, o, top)
         if mode == "none":
-            yield wrap([{"index": o.index, "delta": {"content": o.text}, "logprobs": lp,
+            yield wrap([{"index": o.index, "delta": _text_delta(thinking.get(o.index), o), "logprobs": lp,
                          "finish_reason": o.finish_reason}])
             continue
         held.setdefault(o.index, []).append(o.text)
         if o.finish_reason is None:
             continue
-        content, calls = tool_calls.parse(body, mode, "".join(held.pop(o.index)))
-        delta: dict = {"content": content}
+        text, delta = "".join(held.pop(o.index)), {}
+        if st.reasoning_parser:
+            delta["reasoning_content"], text = reasoning.split(st.reasoning_parser, text)
+        content, calls = tool_calls.parse(body, mode, text)
+        delta["content"] = content
         if calls:
             delta["tool_calls"] = [c | {"index": k} for k, c in enumerate(calls)]
         yield wrap([{"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": None}])
@@ -103,3 +114,11 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCo
                      "finish_reason": "tool_calls" if calls else o.finish_reason}])
     if body.stream_options and body.stream_options.include_usage:
         yield wrap([]) | {"usage": usage.body()}
+
+
+def _text_delta(thinking: reasoning.ReasoningStream | None, o: CompletionOutput) -> dict:
+    """{"content": ...}, or with a reasoning parser the reasoning part as "reasoning_content"."""
+    if thinking is None:
+        return {"content": o.text}
+    r, c = thinking.feed(o.text, final=o.finish_reason is not None)
+    return ({"reasoning_content": r} if r else {}) | ({"content": c} if c or not r else {})

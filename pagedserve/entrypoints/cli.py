@@ -191,8 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (needs --tool-call-parser and a template that renders tools)")
     from pagedserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
+    from pagedserve.entrypoints.reasoning import REASONING_PARSERS
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="move <think>...</think> into the message's reasoning_content (and the stream's deltas)")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="N > 1: start N replicas (each with these engine flags, on ports after --port) behind the "
                         "cache-aware router on --host:--port")

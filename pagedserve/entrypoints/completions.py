@@ -100,11 +100,14 @@ def _choice(st: ServerState, body: CompletionRequest, prompt: dict, out: Request
 
 async def _chunks(st: ServerState, rid: str, created: int, streams, body: CompletionRequest, prompts: list[dict],
                   echo_only: bool):
-    def wrap(choices):
-        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": choices}
+    usage = Usage(prompt={i: len(p["prompt_token_ids"]) for i, p in enumerate(prompts)})
+    every = body.stream_options is not None and body.stream_options.usage_in_every_chunk()
 
-    usage = Usage()
+    def wrap(choices):
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                 "choices": choices}
+        return chunk | {"usage": usage.body(count_completion=not echo_only)} if every else chunk
+
     echoed: set[int] = set()
     offsets: dict[int, int] = {}           # choice index -> characters sent so far (text_offset)
     async for i, item in deltas(streams, usage):

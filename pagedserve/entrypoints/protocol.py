@@ -44,6 +44,11 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension (guidellm always sends it): with include_usage, usage so far in every chunk
+    continuous_usage_stats: bool = False
+
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(_Body):

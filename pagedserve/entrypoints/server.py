@@ -53,6 +53,7 @@ class ServerState:
     draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
     chat_template: str | None = None      # --chat-template: replaces the model's own
     tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
+    reasoning_parser: str | None = None   # --reasoning-parser: <think>...</think> -> reasoning_content
     recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
 
 
@@ -167,14 +168,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
               max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
               engine_thread: bool = True, chat_template: str | None = None,
-              tool_call_parser: str | None = None, dashboard: bool = True) -> FastAPI:
+              tool_call_parser: str | None = None, dashboard: bool = True,
+              reasoning_parser: str | None = None) -> FastAPI:
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
     from pagedserve.entrypoints.routes import router
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
     state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
-                        chat_template=chat_template, tool_call_parser=tool_call_parser)
+                        chat_template=chat_template, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser)
     if dashboard:
         from pagedserve.entrypoints.dashboard import StateRecorder
         state.recorder = recorder = StateRecorder()
@@ -231,7 +234,7 @@ def run_server(args: EngineArgs, ns) -> int:
     app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
                     engine_thread=False, chat_template=template,
                     tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                    dashboard=ns.dashboard)
+                    dashboard=ns.dashboard, reasoning_parser=ns.reasoning_parser)
     state: ServerState = app.state.server
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     loop = asyncio.new_event_loop()

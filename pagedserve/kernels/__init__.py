@@ -73,7 +73,7 @@ def _declare(lib: ctypes.CDLL, source: str) -> None:
     """ctypes signatures of a library's entry points."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     if source == "paged_attention":
-        args = [p] * 5 + [i] + [p] * 3 + [i] * 6 + [f]
+        args = [p] * 5 + [i] + [p] * 3 + [i] * 6 + [f, i]
         lib.paged_decode_attention.argtypes = args
         lib.paged_prefill_attention.argtypes = args[:8] + [p] + args[8:]
     else:
@@ -156,24 +156,26 @@ def _ptr(t: torch.Tensor | None):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                           lib: ctypes.CDLL | None = None, window: int = 0) -> torch.Tensor:
     """q: (D, n_heads, hd) float32 contiguous; caches (num_blocks, bs, n_kv, hd) float32 | bfloat16 | int8
     (int8 with (num_blocks, bs, n_kv) float32 scales); block_tables (D, max_blocks) int64;
-    context_lens (D,) int64 -> out (D, n_heads, hd), written in place when given."""
+    context_lens (D,) int64 -> out (D, n_heads, hd), written in place when given. window > 0: each query
+    sees only the last `window` positions (a sliding-window layer)."""
     lib = lib or load()
     D, nh, hd = q.shape
     _, bs, n_kv, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale),
                                KV_CODES[k_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
-                               out.data_ptr(), D, nh, n_kv, hd, bs, block_tables.shape[1], scale)
+                               out.data_ptr(), D, nh, n_kv, hd, bs, block_tables.shape[1], scale, window)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                             cu_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
+                            window: int = 0) -> torch.Tensor:
     """Every prefill chunk of a step in one call. q: (T, n_heads, hd) float32 contiguous, chunk p in rows
     cu_q[p]:cu_q[p+1] (int64, P+1), the last rows of its context_lens[p] positions; block_tables (P, max_blocks)."""
     lib = lib or load()
@@ -183,5 +185,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lib.paged_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale),
                                 KV_CODES[k_cache.dtype], block_tables.data_ptr(), cu_q.data_ptr(),
                                 context_lens.data_ptr(), out.data_ptr(), block_tables.shape[0], nh, n_kv, hd, bs,
-                                block_tables.shape[1], scale)
+                                block_tables.shape[1], scale, window)
     return out

@@ -252,24 +252,28 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
 typedef struct { int seq; int64_t t0, t1; } item_t;
 typedef struct { int threads, n_items; int *first; item_t *items; float *part; } plan_t;
 
-static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD) {
+/* window > 0: a sliding-window layer, each query sees only the last `window` positions */
+static inline int64_t first_key(int64_t ctx, int window) { return window > 0 && ctx > window ? ctx - window : 0; }
+
+static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD, int window) {
     plan_t pl;
     pl.threads = THREADS;
     int64_t total = 0;
-    for (int d = 0; d < num_seqs; d++) total += context_lens[d];
+    for (int d = 0; d < num_seqs; d++) total += context_lens[d] - first_key(context_lens[d], window);
     int64_t chunk = (total + 4 * pl.threads - 1) / (4 * pl.threads);
     chunk = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;
     pl.first = malloc(sizeof(int) * (num_seqs + 1));
     pl.n_items = 0;
     for (int d = 0; d < num_seqs; d++) {
         pl.first[d] = pl.n_items;
-        pl.n_items += context_lens[d] > 0 ? (int)((context_lens[d] + chunk - 1) / chunk) : 0;
+        const int64_t n = context_lens[d] - first_key(context_lens[d], window);
+        pl.n_items += n > 0 ? (int)((n + chunk - 1) / chunk) : 0;
     }
     pl.first[num_seqs] = pl.n_items;
     pl.items = malloc(sizeof(item_t) * (pl.n_items ? pl.n_items : 1));
     for (int d = 0; d < num_seqs; d++)
         for (int i = pl.first[d]; i < pl.first[d + 1]; i++) {
-            const int64_t t0 = (int64_t)(i - pl.first[d]) * chunk, t1 = t0 + chunk;
+            const int64_t t0 = first_key(context_lens[d], window) + (int64_t)(i - pl.first[d]) * chunk, t1 = t0 + chunk;
             pl.items[i] = (item_t){d, t0, t1 < context_lens[d] ? t1 : context_lens[d]};
         }
     pl.part = malloc(sizeof(float) * (int64_t)n_heads * (HD + 2) * (pl.n_items ? pl.n_items : 1));
@@ -318,9 +322,10 @@ static void free_plan(plan_t *pl) { free(pl->part); free(pl->items); free(pl->fi
  * every K and V load. */
 INLINE void prefill_item(const int dt, const int HD, const float *q, float *out, const void *kc, const void *vc,
                          const float *ks, const float *vs, const int64_t *table, int64_t ctx, int64_t q_len,
-                         int64_t i0, int nq, int g, int n_heads, int n_kv, int bs, float scale) {
+                         int64_t i0, int nq, int g, int n_heads, int n_kv, int bs, float scale, int window) {
     const int group = n_heads / n_kv, C = HD / 16;
     const int64_t first_pos = ctx - q_len + i0, end = first_pos + nq;   /* keys [0, end) are visible */
+    const int64_t start = first_key(first_pos + 1, window);              /* (window: from the first query's) */
     v16 lane;
     for (int i = 0; i < 16; i++) lane[i] = (float)i;
     float Qt[HD * 48] __attribute__((aligned(64)));       /* [e][head v * 16 + query] */
@@ -336,7 +341,7 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
         memset(O, 0, sizeof(float) * 48 * HD);
         v16 m[3], l[3];
         for (int v = 0; v < 3; v++) { m[v] = splat(-INFINITY); l[v] = splat(0.f); }
-        for (int64_t k0 = 0; k0 < end; k0 += KT) {
+        for (int64_t k0 = start; k0 < end; k0 += KT) {
             const int nk = (int)(end - k0 < KT ? end - k0 : KT);
             int64_t slot[KT];
             slots_of(table, bs, k0, nk, slot);
@@ -364,6 +369,10 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
                         if (j0 + kk >= nk) x = splat(-INFINITY);
                         else if (t > first_pos) {                           /* causal: lane i sees t <= first_pos + i */
                             const v16i hide = splat((float)(t - first_pos)) > lane;
+                            x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
+                        }
+                        if (window > 0 && t - first_pos + window - 1 < QT - 1) {  /* window: t > first_pos + i - window */
+                            const v16i hide = lane > splat((float)(t - first_pos + window - 1));
                             x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
                         }
                         store_f32(P + (j0 + kk) * 48 + 16 * v, x);
@@ -442,9 +451,9 @@ static int64_t (*plan_prefill(const int64_t *cu_q, int num_seqs, int n_kv, int *
 #define DEFINE_KERNELS(NAME, DT, HD_)                                                                       \
     static void decode_##NAME(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, \
                               const int64_t *block_tables, const int64_t *context_lens, float *out, int num_seqs, \
-                              int n_heads, int n_kv, int hd, int bs, int max_blocks, float scale) {               \
+                              int n_heads, int n_kv, int hd, int bs, int max_blocks, float scale, int window) {   \
         const int HD = HD_ ? HD_ : hd;                                                                      \
-        plan_t pl = plan_decode(context_lens, num_seqs, n_heads, HD);                                       \
+        plan_t pl = plan_decode(context_lens, num_seqs, n_heads, HD, window);                               \
         const int64_t state = (int64_t)n_heads * (HD + 2);                                                  \
         _Pragma("omp parallel num_threads(pl.threads)") {                                                   \
             float qs[n_heads * HD];                                                                         \
@@ -464,7 +473,7 @@ static int64_t (*plan_prefill(const int64_t *cu_q, int num_seqs, int n_kv, int *
     static void prefill_##NAME(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, \
                                const int64_t *block_tables, const int64_t *cu_q, const int64_t *context_lens,    \
                                float *out, int num_seqs, int n_heads, int n_kv, int hd, int bs, int max_blocks, \
-                               float scale) {                                                               \
+                               float scale, int window) {                                                   \
         int n_items;                                                                                        \
         int64_t (*items)[3] = plan_prefill(cu_q, num_seqs, n_kv, &n_items);                                \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(THREADS)")                               \
@@ -474,7 +483,7 @@ static int64_t (*plan_prefill(const int64_t *cu_q, int num_seqs, int n_kv, int *
             const int nq = (int)(q_len - i0 < QT ? q_len - i0 : QT);                                        \
             prefill_item(DT, HD_ ? HD_ : hd, q + cu_q[p] * n_heads * hd, out + cu_q[p] * n_heads * hd, kc, vc, \
                          ks, vs, block_tables + (int64_t)p * max_blocks, context_lens[p], q_len, i0, nq, g,   \
-                         n_heads, n_kv, bs, scale);                                                          \
+                         n_heads, n_kv, bs, scale, window);                                                  \
         }                                                                                                   \
         free(items);                                                                                        \
     }
@@ -498,9 +507,9 @@ DEFINE_KERNELS(i8_any, KV_I8, 0)
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
                             const float *v_scale, int kv_dtype, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
-                            int head_dim, int block_size, int max_blocks, float scale) {
+                            int head_dim, int block_size, int max_blocks, float scale, int window) {
     PICK(decode, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
-                                     num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale);
+                                     num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale, window);
 }
 
 /* q, out: (cu_q[num_seqs], n_heads, head_dim) float32; chunk p owns rows cu_q[p]..cu_q[p+1]-1, the
@@ -508,9 +517,9 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
 void paged_prefill_attention(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
                              const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *cu_q,
                              const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
-                             int head_dim, int block_size, int max_blocks, float scale) {
+                             int head_dim, int block_size, int max_blocks, float scale, int window) {
     PICK(prefill, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_q, context_lens,
-                                      out, num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale);
+                                      out, num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale, window);
 }
 
 DEFINE_ISA(paged_attention_isa)

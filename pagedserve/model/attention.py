@@ -83,43 +83,67 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     kv.v.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v.to(kv.v.dtype))
 
 
-def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, n_heads, hd) -> (T, n_heads, hd), reading keys/values through the block tables."""
+def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: float, window: int = 0,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: (T, n_heads, hd) -> (T, n_heads, hd), reading keys/values through the block tables.
+    window > 0: each query sees only the last `window` positions (itself included), as HF's
+    sliding-window mask (key > query - window). softcap (Gemma 2): scores -> cap * tanh(scores / cap),
+    on the torch path (the C kernels do not soft-cap)."""
     d = md.num_decodes
-    if md.native:
+    if md.native and softcap is None:
         q32 = q.float().contiguous()
         out = torch.empty_like(q32)
         if d:
-            decode_attention(q32[:d], kv, md, scale, out[:d])
+            decode_attention(q32[:d], kv, md, scale, out[:d], window)
         if md.num_prefills:
-            prefill_attention(q32[d:], kv, md, scale, out[d:])
+            prefill_attention(q32[d:], kv, md, scale, out[d:], window)
         return out.to(q.dtype)
     out = torch.empty_like(q)
     if d:
-        out[:d] = decode_attention(q[:d], kv, md, scale)
+        out[:d] = decode_attention(q[:d], kv, md, scale, None, window, softcap, native=False)
     if md.num_prefills:
-        out[d:] = prefill_attention(q[d:], kv, md, scale)
+        out[d:] = prefill_attention(q[d:], kv, md, scale, None, window, softcap, native=False)
     return out
 
 
-def decode_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
-    if md.native:
+def decode_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None, window: int = 0,
+                     softcap: float | None = None, native: bool | None = None) -> torch.Tensor:
+    if md.native if native is None else native:
         return kernels.paged_decode_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.decode_block_tables,
-                                              md.decode_context_lens, scale, out)
+                                              md.decode_context_lens, scale, out, window=window)
     # torch path: one batched gather of every decode row's context (a copy; the kernel reads in place)
     bt = md.decode_block_tables
     k = _dequant(kv.k[bt], None if kv.k_scale is None else kv.k_scale[bt], q.dtype).flatten(1, 2).transpose(1, 2)
     v = _dequant(kv.v[bt], None if kv.v_scale is None else kv.v_scale[bt], q.dtype).flatten(1, 2).transpose(1, 2)
-    mask = (torch.arange(k.shape[2], device=q.device)[None] < md.decode_context_lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    key = torch.arange(k.shape[2], device=q.device)[None]
+    lens = md.decode_context_lens[:, None]
+    mask = key < lens
+    if window:
+        mask &= key >= lens - window
+    return _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
 
 
-def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+def _attend(q, k, v, mask, scale: float, softcap: float | None, causal: bool = False) -> torch.Tensor:
+    """(B, nh, q, hd) x (B, n_kv, keys, hd): SDPA, or with a soft-cap the same in plain torch."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None:
+        n = k.shape[2]
+        mask = torch.ones(q.shape[2], n, dtype=torch.bool, device=q.device).tril(n - q.shape[2])
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(v.dtype) @ v
+
+
+def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None, window: int = 0,
+                      softcap: float | None = None, native: bool | None = None) -> torch.Tensor:
     """All prefill chunks of the step; q holds their rows only."""
-    if md.native:
+    if md.native if native is None else native:
         return kernels.paged_prefill_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.prefill_block_tables,
-                                               md.prefill_cu_q, md.prefill_context_lens, scale, out)
+                                               md.prefill_cu_q, md.prefill_context_lens, scale, out, window=window)
     out = torch.empty_like(q)
     bs = kv.k.shape[1]
     cu = md.prefill_cu_q.tolist()
@@ -129,11 +153,12 @@ def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=N
         v = _dequant(kv.v[bt], None if kv.v_scale is None else kv.v_scale[bt], q.dtype).flatten(0, 1)[:n]
         qh = q[cu[p]:cu[p + 1]].transpose(0, 1).unsqueeze(0)                  # (1, nh, q_len, hd)
         mask = None
-        if n > q_len:   # a cached prefix: query i sits at position n - q_len + i
-            pos = torch.arange(n - q_len, n, device=q.device)
-            mask = torch.arange(n, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
-        o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        if n > q_len or window:   # a cached prefix: query i sits at position n - q_len + i
+            pos = torch.arange(n - q_len, n, device=q.device).unsqueeze(1)
+            key = torch.arange(n, device=q.device).unsqueeze(0)
+            mask = (key <= pos) & (key > pos - window) if window else key <= pos
+        o = _attend(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap,
+                    causal=True)
         out[cu[p]:cu[p + 1]] = o.squeeze(0).transpose(0, 1)
     return out
 

@@ -1,7 +1,10 @@
-"""A Llama-family decoder over one flattened token batch and a paged KV cache.
+"""A Llama-shaped decoder over one flattened token batch and a paged KV cache.
 
-RMSNorm, RoPE (optionally llama3-scaled), SwiGLU MLP, grouped-query attention, tied or untied
-LM head. q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs.
+RMSNorm, RoPE (pagedserve.model.rope), SwiGLU MLP, grouped-query attention, tied or untied LM head.
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs. The other
+families (pagedserve.model.families) are this model with a few differences switched on: Qwen3's
+q/k norms, Gemma's sandwich norms, GeGLU, scalings, soft-caps and sliding windows, Granite's
+multipliers, SmolLM3's NoPE layers, Phi-3's partial RoPE, Mixtral's and Qwen3-MoE's experts.
 """
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import math
 import os
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.quant import PackedWeight, measure_crossover
+from pagedserve.model.rope import rope_tables
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
@@ -41,61 +44,107 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        factor = rs["factor"]
-        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_ctx = rs.get("original_max_position_embeddings", cfg.max_position_embeddings)
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-        inv = torch.where(is_mid, mid, scaled)
-    elif kind == "linear":
-        inv = inv / rs["factor"]
-    elif kind not in (None, "default"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
-    return inv
+class MoE(nn.Module):
+    """Mixtral / Qwen3-MoE sparse MLP: a softmax router picks each row's top-k experts (weights
+    renormalised over the k where the family does); the experts run grouped, each on all of the
+    batch's rows routed to it (one gate/up and one down matmul per used expert, not a loop over rows)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, inter, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k, self.renormalize, self.act = cfg.num_experts_per_tok, cfg.norm_topk_prob, ACTIVATIONS[cfg.mlp_act]
+        self.router = nn.Parameter(torch.empty(e, h))
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, h))      # (experts, gate rows + up rows, hidden)
+        self.down = nn.Parameter(torch.empty(e, h, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)         # (T, experts), float32 as HF
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)                # (T, k)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        order = torch.argsort(experts.flatten(), stable=True)                  # (row, slot) pairs by expert
+        rows, weights = order // self.top_k, weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(torch.bincount(experts.flatten(), minlength=self.router.shape[0]).tolist()):
+            if n:
+                r = rows[start:start + n]
+                gate, up = F.linear(x[r], self.gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(self.act(gate) * up, self.down[e]) * weights[start:start + n, None]
+                out.index_add_(0, r, y.to(out.dtype))
+                start += n
+        return out
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
-    """Under tensor parallelism (tp.size = N) the layer holds 1/N of the heads and of the MLP
+    """Pre-norm attention and MLP, each added to the residual stream. What a family changes is an
+    attribute here, None where it does not apply: per-head q/k norms, norms after each branch
+    (sandwich), the attention scale, a sliding window, a soft-cap, a residual multiplier, an MoE MLP.
+
+    Under tensor parallelism (tp.size = N) the layer holds 1/N of the heads and of the MLP
     (pagedserve.distributed.sharding) and all-reduces the outputs of o_proj and down_proj."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
         h, hd, n = cfg.hidden_size, cfg.head_dim, tp.size
         self.tp = tp
         self.n_heads, self.n_kv, self.hd, self.eps = cfg.num_heads // n, cfg.num_kv_heads // n, hd, cfg.rms_norm_eps
-        inter = cfg.intermediate_size // n
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
+        self.window, self.softcap, self.residual_scale = cfg.window(index), cfg.attn_softcap, cfg.residual_scale
+        self.act = ACTIVATIONS[cfg.mlp_act]
         self.attn_norm = nn.Parameter(torch.empty(h))
         self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=cfg.o_proj_bias)
+        self.q_norm = nn.Parameter(torch.empty(hd)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(hd)) if cfg.qk_norm else None
+        self.post_attn_norm = nn.Parameter(torch.empty(h)) if cfg.sandwich_norm else None
         self.mlp_norm = nn.Parameter(torch.empty(h))
-        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.post_mlp_norm = nn.Parameter(torch.empty(h)) if cfg.sandwich_norm else None
+        self.moe = MoE(cfg) if cfg.is_moe and index not in cfg.dense_layers else None
+        if self.moe is None:
+            inter = cfg.intermediate_size // n
+            self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)
+            self.down_proj = nn.Linear(inter, h, bias=False)
         self.transposed = False        # small-batch GEMM form, see linear()
 
-    def forward(self, x, cos, sin, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
-        T, tr = x.shape[0], self.transposed
+    def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+        T, tr, nh = x.shape[0], self.transposed, self.n_heads
         qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias, tr)
-        n_qk = self.n_heads + self.n_kv
+        n_qk = nh + self.n_kv
         qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
-        qk = qk * cos + _rotate_half(qk) * sin                  # RoPE on q and k at once
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
+        if self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :nh], self.q_norm, self.eps), rms_norm(qk[:, nh:], self.k_norm, self.eps)), 1)
+        if rope is not None:                                    # None: a NoPE layer
+            qk = apply_rope(qk, *rope)                          # q and k at once
+        q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
         write_kv(kv, k, v, md.slot_mapping)
-        o = paged_attention(q, kv, md, 1.0 / math.sqrt(self.hd))
-        x = x + self.tp.all_reduce(linear(o.reshape(T, -1), self.o_proj.weight, None, tr))
-        gate, up = linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight, None, tr))
+        o = paged_attention(q, kv, md, self.scale, self.window, self.softcap)
+        x = self._add(x, self.tp.all_reduce(linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias, tr)),
+                      self.post_attn_norm)
+        h = rms_norm(x, self.mlp_norm, self.eps)
+        if self.moe is not None:
+            return self._add(x, self.moe(h), self.post_mlp_norm)
+        gate, up = linear(h, self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
+        return self._add(x, self.tp.all_reduce(linear(self.act(gate) * up, self.down_proj.weight, None, tr)),
+                         self.post_mlp_norm)
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        if post_norm is not None:
+            branch = rms_norm(branch, post_norm, self.eps)
+        return x + (branch if self.residual_scale == 1.0 else branch * self.residual_scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE on the first cos.shape[-1] dims of each head (all of them but for Phi-4-mini)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    r = x[..., :rot]
+    return torch.cat((r * cos + _rotate_half(r) * sin, x[..., rot:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -114,41 +163,21 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or TPGroup.single()
         self.vocab_first, self.vocab_end, vocab_rows = vocab_slice(cfg.vocab_size, tp.rank, tp.size)
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.ropes, self.rope_keys = rope_tables(cfg)       # host arithmetic: built on the CPU, even under meta
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # cos, sin: (positions, 1, hd)
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at each position, (T, 1, hd), looked up in a table grown on demand (vLLM's
-        cos_sin_cache). The angles are float32 products as in HF; their cos/sin are taken in float64
-        by numpy and rounded once: torch's threaded float32 cos measured up to 1.5e-4 off on half the
-        rows of the first call in some processes, which moved logits by 7e-3."""
-        n = int(positions.max()) + 1 if positions.numel() else 0
-        cache = self._rope_cache
-        if cache is None or n > cache[0].shape[0] or cache[0].dtype != self.norm.dtype \
-                or cache[0].device != self.norm.device:
-            size = cache[0].shape[0] if cache is not None else 0
-            cache = self._rope_cache = self._rope_table(max(n, 1024, 2 * size if n > size else size))
-        cos, sin = cache
-        return cos[positions], sin[positions]
-
-    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self.inv_freq.detach().cpu().float().numpy()
-        freqs = np.arange(n, dtype=np.float32)[:, None] * inv[None, :]          # (n, hd/2), float32 as HF
-        emb = np.concatenate((freqs, freqs), axis=-1).astype(np.float64)[:, None, :]
-        dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
-        return (torch.from_numpy(np.cos(emb).astype(np.float32)).to(dev, dt),
-                torch.from_numpy(np.sin(emb).astype(np.float32)).to(dev, dt))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)                                          # (T, hidden)
-        cos, sin = self.rope(positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, md)
+        if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
+            x = x * self.cfg.embed_scale
+        dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
+        ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
+        for layer, key, kv in zip(self.layers, self.rope_keys, kv_caches):
+            x = layer(x, None if key is None else ropes[key], kv, md)
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -164,7 +193,19 @@ class LlamaForCausalLM(nn.Module):
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.tp.gather_columns(linear(h, w, None, self.transposed).float())
-        return None if logits is None else logits[:, :self.cfg.vocab_size]
+        if logits is None:
+            return None
+        logits = logits[:, :self.cfg.vocab_size]
+        if self.cfg.logits_scaling != 1.0:                                 # Granite
+            logits = logits / self.cfg.logits_scaling
+        if self.cfg.final_softcap is not None:                             # Gemma 2
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
+
+    def _probe_weight(self):
+        """The layer matrix the GEMM-form measurements use: the first dense MLP's (an MoE model may have none)."""
+        dense = [layer for layer in self.layers if layer.moe is None]
+        return dense[0].gate_up_proj.weight if dense else self.layers[0].qkv_proj.weight
 
     @torch.inference_mode()
     def choose_gemm_form(self) -> str:
@@ -176,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if isinstance(self.layers[0].gate_up_proj.weight, PackedWeight):
+        if isinstance(self._probe_weight(), PackedWeight):
             return self._choose_packed_crossover(head)
         if head.device.type != "cpu":
             return "small-batch GEMMs: F.linear (not on CPU)"
@@ -184,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             use, why = forced == "transposed", "PAGEDSERVE_SMALL_M_GEMM"
         else:
             t = {False: 0.0, True: 0.0}
-            for w in (self.layers[0].gate_up_proj.weight, head):
+            for w in (self._probe_weight(), head):
                 for m in (8, 64):
                     x = torch.randn(m, w.shape[1], dtype=w.dtype)
                     for form in (False, True):
@@ -203,13 +244,14 @@ class LlamaForCausalLM(nn.Module):
     def _choose_packed_crossover(self, head) -> str:
         """Packed weights: up to how many rows qmatmul beats dequantize + GEMM, measured per shape."""
         lines = []
-        for name, w in (("layers", self.layers[0].gate_up_proj.weight), ("LM head", head)):
+        for name, w in (("layers", self._probe_weight()), ("LM head", head)):
             if not isinstance(w, PackedWeight):
                 continue
             m, line = measure_crossover(w, self.norm.dtype)
             lines.append(f"{name}: {line}")
             targets = [w] if name == "LM head" else [getattr(layer, p).weight for layer in self.layers
-                                                   for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+                                                   for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                                                   if hasattr(layer, p)]
             for t in targets:
                 if isinstance(t, PackedWeight):
                     t.small_m = m

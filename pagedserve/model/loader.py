@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +20,10 @@ import torch
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from pagedserve.model import hub
+from pagedserve.model.hub import looks_like_hub_id
+from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
+from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
                                     describe, quantize_int8)
 
@@ -28,11 +32,11 @@ log = logging.getLogger("pagedserve")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHS = ("llama", "mistral", "qwen2")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 class ModelLoadError(ValueError):
-    """The model could not be found or read; the message says what was looked for."""
+    """The model could not be found or read, or is refused (families.py); the message says why."""
 
 
 @dataclass(slots=True)
@@ -55,8 +59,15 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
     path = default_model_path() if model is None else os.path.expanduser(model)
+    if model is not None and not os.path.exists(path) and looks_like_hub_id(model):
+        try:
+            local = hub.download(model, revision)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        src = resolve_model(local)
+        return ModelSource(src.kind, src.path, model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"model {path!r} is a file but not a .gguf file; give a .gguf file or an HF "
@@ -72,8 +83,8 @@ def resolve_model(model: str | None) -> ModelSource:
             return ModelSource("gguf", os.path.join(path, ggufs[0]), ggufs[0][:-5])
         raise ModelLoadError(f"model folder {path!r} has neither config.json with *.safetensors nor exactly one "
                              f".gguf file (found: {sorted(files)[:10]})")
-    raise ModelLoadError(f"model {model!r} not found: no such file or folder (looked for a .gguf file or an HF "
-                         "folder with config.json and *.safetensors)")
+    raise ModelLoadError(f"model {model!r} not found: no such file or folder (looked for a .gguf file, an HF "
+                         "folder with config.json and *.safetensors, or a Hub id ORG/NAME[:QUANT])")
 
 
 _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
@@ -140,7 +151,6 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                       else PackedLinear(w, bias=f"{key.removesuffix('.weight')}.bias" in sd))
             setattr(owner, child, packed)
     model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, PackedWeight)}, assign=True, strict=True)
-    model.inv_freq = rope_inv_freq(cfg)   # a non-persistent buffer: built on meta, made real here
     model = model.to(device).eval()
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     log.info("%s", model.choose_gemm_form())
@@ -169,36 +179,80 @@ def _cat(parts: list) -> torch.Tensor | PackedWeight:
     return torch.cat([p.dequantize() if isinstance(p, PackedWeight) else p.float() for p in parts])
 
 
-def _fuse(cfg: ModelConfig, w: dict) -> dict:
-    """HF-named tensors (dense, or PackedWeight for --quantization gguf) -> our fused module's state dict."""
-    sd = {"embed_tokens.weight": w["model.embed_tokens.weight"], "norm": w["model.norm.weight"]}
+def _fuse(cfg: ModelConfig, weights: dict) -> dict:
+    """HF-named tensors (dense, or PackedWeight for --quantization gguf) -> our fused module's state dict.
+    Every checkpoint tensor must be used: one left over is maths we would silently skip (a norm, a
+    bias of a family we do not know), so the load is refused naming it."""
+    w = dict(weights)
+    take = w.pop
+    sd = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = w["lm_head.weight"]
+        sd["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        sd[f"layers.{i}.attn_norm"] = w[p + "input_layernorm.weight"]
-        sd[f"layers.{i}.mlp_norm"] = w[p + "post_attention_layernorm.weight"]
-        sd[f"layers.{i}.qkv_proj.weight"] = _cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                                                 w[a + "v_proj.weight"]])
+        p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
+        sd[o + "attn_norm"] = take(p + "input_layernorm.weight")
+        if cfg.sandwich_norm:       # Gemma: post_attention_layernorm norms the attention output
+            sd[o + "post_attn_norm"] = take(p + "post_attention_layernorm.weight")
+            sd[o + "mlp_norm"] = take(p + "pre_feedforward_layernorm.weight")
+            sd[o + "post_mlp_norm"] = take(p + "post_feedforward_layernorm.weight")
+        else:                       # Llama: post_attention_layernorm is the MLP's input norm
+            sd[o + "mlp_norm"] = take(p + "post_attention_layernorm.weight")
+        if cfg.fused_checkpoint:
+            sd[o + "qkv_proj.weight"] = take(a + "qkv_proj.weight")
+        else:
+            sd[o + "qkv_proj.weight"] = _cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                             take(a + "v_proj.weight")])
         if cfg.attention_bias:
-            sd[f"layers.{i}.qkv_proj.bias"] = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
-                                                        w[a + "v_proj.bias"]])
-        sd[f"layers.{i}.o_proj.weight"] = w[a + "o_proj.weight"]
-        sd[f"layers.{i}.gate_up_proj.weight"] = _cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        sd[f"layers.{i}.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
+            sd[o + "qkv_proj.bias"] = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
+                                                take(a + "v_proj.bias")])
+        sd[o + "o_proj.weight"] = take(a + "o_proj.weight")
+        if cfg.o_proj_bias:
+            sd[o + "o_proj.bias"] = take(a + "o_proj.bias")
+        if cfg.qk_norm:
+            sd[o + "q_norm"], sd[o + "k_norm"] = take(a + "q_norm.weight"), take(a + "k_norm.weight")
+        if cfg.is_moe and i not in cfg.dense_layers:
+            sd.update(_experts(cfg, w, i))
+        elif cfg.fused_checkpoint:
+            sd[o + "gate_up_proj.weight"] = take(p + "mlp.gate_up_proj.weight")
+            sd[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight")
+        else:
+            sd[o + "gate_up_proj.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            sd[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight")
+    w.pop("lm_head.weight", None)   # tied models may store a copy of the embedding
+    if w:
+        raise ModelLoadError(f"{cfg.arch}: checkpoint tensors {sorted(w)[:5]}{' ...' if len(w) > 5 else ''} "
+                                    "are not used by this engine's implementation of the family; refusing to load "
+                                    "a model whose computation would skip them")
+    if cfg.norm_plus_one:           # Gemma's RMSNorm scales by (1 + w): fold the 1 in once, here
+        sd = {k: v + 1.0 if k == "norm" or k.endswith("_norm") else v for k, v in sd.items()}
     return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def _experts(cfg: ModelConfig, w: dict, i: int) -> dict:
+    """One MoE layer's router and experts, stacked (experts, rows, cols): Mixtral names them
+    block_sparse_moe.{gate, experts.E.w1 (gate), w3 (up), w2 (down)}, Qwen3-MoE mlp.{gate, experts.E.*_proj}."""
+    p, o = f"model.layers.{i}.", f"layers.{i}.moe."
+    mixtral = p + "block_sparse_moe.gate.weight" in w
+    base = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = [], []
+    for e in range(cfg.num_experts):
+        g, u, d = (w.pop(f"{base}experts.{e}.{n}.weight") for n in names)
+        gate_up.append(torch.cat([_dense(g), _dense(u)]))
+        down.append(_dense(d))
+    return {o + "router": _dense(w.pop(base + "gate.weight")), o + "gate_up": torch.stack(gate_up),
+            o + "down": torch.stack(down)}
+
+
+def _dense(t) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, PackedWeight) else t
 
 
 # ---------------------------------------------------------------- HF folders (safetensors)
 
 def _read_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        cfg = ModelConfig.from_hf_dict(hf)
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise ModelLoadError(f"cannot read {path}/config.json as a Llama-family config: {e!r}") from e
+    cfg = _hf_model_config(path)
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(os.listdir(path)):
         if f.endswith(".safetensors"):
@@ -264,7 +318,7 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"GGUF file {path} lacks the metadata of a {arch} model: {e!r}") from e
     keep = {t.name for t in reader.tensors        # (GGUF's own I8 type is unscaled: not our I8 rows)
-            if packed and t.tensor_type.name in FORMATS and t.tensor_type.name != "I8" and len(t.shape) == 2 and (_gguf_to_hf_name(t.name) or "").endswith(_HF_MATRICES)}
+            if packed and t.tensor_type.name in FORMATS and t.tensor_type.name != "I8" and len(t.shape) == 2 and (_gguf_to_hf_name(t.name, arch) or "").endswith(_HF_MATRICES)}
     dense = [t for t in reader.tensors if t.name not in keep]
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         arrays = dict(zip([t.name for t in dense], pool.map(_dequantize, dense)))
@@ -272,7 +326,7 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
                    for t in reader.tensors if t.name in keep})
     weights = {}
     for name, arr in arrays.items():
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = _gguf_to_hf_name(name, arch)
         if hf_name is None:
             continue
         if isinstance(arr, PackedWeight):
@@ -307,18 +361,30 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
     if g("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    layers, head_dim = int(g("block_count")), int(g("attention.key_length", hidden // heads))
+    differs: dict = {"arch": arch}
+    if arch == "qwen3":
+        differs["qk_norm"] = True
+    elif arch == "gemma3":
+        # as llama.cpp reads a gemma3 file: its converter already added Gemma's 1 to the norm weights;
+        # every 6th layer is global, the others slide with RoPE base 10000; the attention scale is
+        # 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model
+        window = int(g("attention.sliding_window", 0))
+        differs |= {"qk_norm": True, "sandwich_norm": True, "mlp_act": "gelu_tanh",
+                    "embed_scale": math.sqrt(hidden), "local_rope_theta": 10000.0,
+                    "attn_scale": (hidden / heads if layers == 62 else head_dim) ** -0.5,
+                    "layer_windows": [0 if (i + 1) % 6 == 0 else window for i in range(layers)] if window else None}
     return ModelConfig(
         vocab_size=int(n_vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")), num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", hidden // heads)),
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
+        eos_token_ids=[] if eos is None else [int(eos)], **differs,
     )
 
 
@@ -336,16 +402,23 @@ _GGUF_LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's four norms per layer (llama.cpp's names; its ffn_norm is Gemma's pre-feedforward norm)
+_GGUF_GEMMA_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
     if name in top:
         return top[name]
     if name.startswith("blk."):
         _, i, rest = name.split(".", 2)
+        if arch == "gemma3" and rest in _GGUF_GEMMA_NAMES:
+            return f"model.layers.{i}.{_GGUF_GEMMA_NAMES[rest]}"
         if rest in _GGUF_LAYER_NAMES:
             return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
     return None   # e.g. rope_freqs: not a weight we need
@@ -356,14 +429,20 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def _hf_model_config(path: str) -> ModelConfig:
+    """config.json -> ModelConfig, refusing any architecture or field we do not compute (families.py)."""
+    try:
+        return model_config(hf_config_dict(path))
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"cannot read {path}/config.json as a model config: {e!r}") from e
+
+
 def read_model_config(src: ModelSource) -> ModelConfig:
     """The model's shape without loading its weights."""
     if src.kind == "hf":
-        try:
-            with open(os.path.join(src.path, "config.json")) as f:
-                return ModelConfig.from_hf_dict(json.load(f))
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"cannot read {src.path}/config.json: {e!r}") from e
+        return _hf_model_config(src.path)
     import gguf
     try:
         reader = gguf.GGUFReader(src.path)

@@ -233,3 +233,17 @@ def test_serve_with_tp2_answers_and_a_dead_rank_ends_the_server_cleanly(small_ll
         while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its server"
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_tp2_equals_tp1_for_other_families(tmp_path, tokenizer, family):
+    """Gemma 3 (q/k norms, sandwich norms, sliding windows, two RoPE tables) and Llama with
+    attention_bias (a row-parallel o_proj bias, added once) split over two ranks like Llama does."""
+    from tests.model.families import save_family
+    save_family(family, tmp_path, len(tokenizer), tokenizer, sharpen=5.0)
+    check_tp2_equals_tp1(str(tmp_path), "mp")
+
+
+def test_moe_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="experts"):
+        check_tensor_parallel(ModelConfig(num_experts=4, num_experts_per_tok=2, arch="mixtral"), 2)

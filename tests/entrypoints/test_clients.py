@@ -270,3 +270,43 @@ def test_auto_tool_choice_with_hermes_parser():
         assert r.status_code == 200, r.text
         toks = httpx.post(base + "/tokenize", json={"messages": ASK}).json()
         assert toks["count"] > 0
+
+
+# ---------------------------------------------------------------- guidellm's exact bodies
+# guidellm (src/guidellm/backends/openai/request_handlers.py) always streams with vLLM's
+# continuous_usage_stats, sends stop: null and ignore_eos, and reads usage from the chunks.
+GUIDELLM_COMPLETION = {"model": "m", "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                       "max_tokens": 12, "stop": None, "ignore_eos": True,
+                       "prompt": "The quick brown fox jumps over the lazy dog. " * 8}
+GUIDELLM_CHAT = {"model": "m", "stream": True,
+                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                 "max_completion_tokens": 12, "stop": None, "ignore_eos": True,
+                 "messages": [{"role": "user", "content": [{"type": "text",
+                                                            "text": "Tell me about the sea. " * 6}]}]}
+
+
+def _sse(base: str, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", base + route, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize("route,body", [("/v1/completions", GUIDELLM_COMPLETION),
+                                        ("/v1/chat/completions", GUIDELLM_CHAT)])
+def test_guidellm_bodies_get_usage_in_every_chunk(server, route, body):
+    base, engine = server
+    chunks = _sse(base, route, body)
+    assert all("usage" in c for c in chunks), "continuous_usage_stats: usage in every chunk"
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt) == 1 and prompt.pop() > 40
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done == sorted(done) and done[-1] == 12           # running counts, the last one the total
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["total_tokens"] == final["usage"]["prompt_tokens"] + 12
+    # without the extension, usage comes once, at the end (the OpenAI behaviour)
+    plain = _sse(base, route, body | {"stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in plain] == [False] * (len(plain) - 1) + [True]
+    assert idle(engine)

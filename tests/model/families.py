@@ -1,0 +1,99 @@
+"""Tiny random-weight models of each family, written by transformers itself (its own config and
+model classes, save_pretrained), for the reference tests against HF on the same weights."""
+from __future__ import annotations
+
+import torch
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+WINDOW = 24      # shorter than the test prompts, so sliding layers really slide
+
+
+def family_specs() -> dict[str, tuple[str, str, dict]]:
+    """family -> (config class, model class, fields over SMALL): each family's differences switched on."""
+    return {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, tie_word_embeddings=False)),
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                          max_window_layers=1)),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, use_sliding_window=True,
+                                                          sliding_window=WINDOW, max_window_layers=1)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                             attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+            head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})),
+        "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, logits_scaling=4.0,
+                                                                residual_multiplier=0.5, attention_multiplier=0.1,
+                                                                tie_word_embeddings=True)),
+        "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], pad_token_id=0)),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+            pad_token_id=0, eos_token_id=1, bos_token_id=1, original_max_position_embeddings=256,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2, 4, 8, 16, 32]})),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16, norm_topk_prob=True,
+            mlp_only_layers=[1])),
+    }
+
+
+def save_family(name: str, d, vocab_size: int, tokenizer=None, sharpen: float = 3.0, **fields):
+    """Save a seeded random `name` model in folder d (and the tokenizer, when given); returns the HF
+    model. `fields` replace the family's test fields."""
+    import transformers
+    cfg_cls, model_cls, extra = family_specs()[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**(SMALL | {"vocab_size": vocab_size} | (fields or extra)))
+    hf = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():     # a sharper distribution than the default init, so greedy is meaningful
+        for n, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(sharpen)
+            elif "norm" in n:
+                p.normal_(0.0 if "gemma" in name else 1.0, 0.2)   # non-trivial norms (Gemma's are 1 + w)
+            else:
+                p.normal_(0, 0.5)                                  # biases
+    hf.save_pretrained(d, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(d)
+    return hf
+
+
+def write_gguf(name: str, hf, path) -> str:
+    """The HF model as a float32 GGUF file, as llama.cpp's converter lays it out: tensor names from
+    the gguf package's own HF -> GGUF name map, the family's metadata keys, and for Gemma the
+    converter's +1 on every norm weight (llama.cpp runs a plain RMSNorm)."""
+    import gguf
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[name]
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if name == "gemma3_text":
+        w.add_sliding_window(c.sliding_window)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for key, t in hf.state_dict().items():
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        t = t.detach().float()
+        if name == "gemma3_text" and key.endswith("norm.weight"):
+            t = t + 1.0
+        w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
