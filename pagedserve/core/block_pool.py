@@ -99,8 +99,11 @@ class BlockPool:
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
-        """Take a reference on blocks found in the prefix cache (or shared by a fork)."""
+        """Take a reference on blocks found in the prefix cache (or shared by a fork). The null block
+        (standing in a table for a block given back behind a sliding window) is nobody's."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
@@ -109,6 +112,8 @@ class BlockPool:
         """Drop one reference each; a block whose count reaches 0 joins the free queue's tail (so
         pass a request's blocks tail-first: its later blocks are then evicted before earlier ones)."""
         for b in ordered:
+            if b is self.null_block:
+                continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is None or not self.enable_caching:

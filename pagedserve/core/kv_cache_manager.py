@@ -1,5 +1,8 @@
 """KVCacheManager: which blocks each request holds. Prefix caching (chained block hashes), sharing
-by fork with copy-on-write of a partial block, and a host-memory swap tier."""
+by fork with copy-on-write of a partial block, a host-memory swap tier, and sliding windows: when
+every layer attends to the last W positions only (Mistral, Mixtral, Phi-3 with sliding_window), a
+block whose positions all lie behind the window of the next token goes back to the pool while the
+request runs, and the null block takes its place in the table (the kernels never read it)."""
 from __future__ import annotations
 
 from collections import deque
@@ -28,7 +31,7 @@ class BlockOps:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, reserve_tokens: int | None = None):
+                 num_host_blocks: int = 0, reserve_tokens: int | None = None, sliding_window: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -36,6 +39,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # contiguous policy: reserve this many tokens' worth of blocks at admission (None = paged)
         self.reserve_tokens = reserve_tokens
+        # > 0: every layer sees only the last sliding_window positions (0: some layer sees them all)
+        self.sliding_window = sliding_window
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
         self.host_free: deque[int] = deque(range(num_host_blocks))
@@ -55,6 +60,14 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens ever holds at once; behind a sliding window only
+        the last W - 1 positions and the step's chunk are live (+1: they may straddle a block edge)."""
+        full = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
+        if not self.sliding_window:
+            return full
+        return min(full, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The request's block table as the runner gets it (derived from the blocks it holds)."""
@@ -101,9 +114,15 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: list[KVBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the prefix hit
-        `computed`, when admitting). False, with nothing changed, if the pool cannot provide it."""
+        `computed`, when admitting). False, with nothing changed (but the blocks behind a sliding
+        window returned: they are dead either way), if the pool cannot provide it."""
         computed = computed or []
         held = self.req_blocks.get(req.request_id, [])
+        if self.sliding_window and held:
+            self._free_behind_window(held, req.num_computed_tokens)
+        if self.sliding_window and computed:       # a prefix hit: what lies behind the window is not taken
+            dead = max(0, len(computed) * self.block_size - self.sliding_window + 1) // self.block_size
+            computed = [self.pool.null_block] * dead + computed[dead:]
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed + num_new_tokens
         if self.reserve_tokens is not None:
@@ -133,6 +152,23 @@ class KVCacheManager:
         self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
+    def _free_behind_window(self, blocks: list[KVBlock], num_computed: int) -> None:
+        """The next token (position num_computed) sees keys from num_computed - W + 1 on: blocks wholly
+        before that return to the pool (tail-first, as in free) and the null block stands in for them."""
+        dead = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        first = self._first_live(blocks, dead)
+        if first < dead:
+            self.pool.free_blocks(reversed(blocks[first:dead]))
+            blocks[first:dead] = [self.pool.null_block] * (dead - first)
+
+    def _first_live(self, blocks: list[KVBlock], upto: int) -> int:
+        """Index of the first block that is not the null block (the null ones lead), searched in [0, upto)."""
+        lo, hi, null = 0, min(upto, len(blocks)), self.pool.null_block
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if blocks[mid] is null else (lo, mid)
+        return lo
+
     def _needs_cow(self, held: list[KVBlock], num_computed: int) -> bool:
         """The next token lands in the last held block, which someone else also references."""
         return bool(held) and num_computed % self.block_size != 0 and \
@@ -149,7 +185,8 @@ class KVCacheManager:
         self._ensure_hashes(req, n_full * self.block_size)
         blocks = self.req_blocks[rid]
         for i in range(start, n_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+            if blocks[i] is not self.pool.null_block:      # (given back behind the window, already cached)
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
         self.num_hashed[rid] = n_full
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -168,7 +205,7 @@ class KVCacheManager:
         self._release(req.request_id)
         host = self.swapped.pop(req.request_id, None)
         if host:
-            self.host_free.extend(host)
+            self.host_free.extend(h for h in host if h is not None)
 
     def _release(self, rid: str) -> None:
         blocks = self.req_blocks.pop(rid, None)
@@ -178,25 +215,29 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ swap tier
     def can_swap_out(self, req: Request) -> bool:
-        return len(self.req_blocks.get(req.request_id, ())) <= len(self.host_free)
+        null = self.pool.null_block
+        return sum(b is not null for b in self.req_blocks.get(req.request_id, ())) <= len(self.host_free)
 
     def swap_out(self, req: Request) -> None:
+        """Live blocks go to host blocks, in order; a null block (behind a sliding window) stays null (None)."""
         rid = req.request_id
-        blocks = self.req_blocks[rid]
-        host = [self.host_free.popleft() for _ in blocks]
-        self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
+        blocks, null = self.req_blocks[rid], self.pool.null_block
+        host = [None if b is null else self.host_free.popleft() for b in blocks]
+        self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, host) if h is not None)
         self.swapped[rid] = host
         self._release(rid)
 
     def swap_in(self, req: Request) -> bool:
         rid = req.request_id
         host = self.swapped[rid]
-        if len(host) > self.pool.num_free_blocks:
+        live = [h for h in host if h is not None]
+        if len(live) > self.pool.num_free_blocks:
             return False
-        blocks = self.pool.get_new_blocks(len(host))
-        self.ops.swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
+        fresh = iter(self.pool.get_new_blocks(len(live)))
+        blocks = [self.pool.null_block if h is None else next(fresh) for h in host]
+        self.ops.swap_in.extend((h, b.block_id) for h, b in zip(host, blocks) if h is not None)
         del self.swapped[rid]
-        self.host_free.extend(host)
+        self.host_free.extend(live)
         self.req_blocks[rid] = blocks
         self.num_hashed[rid] = 0
         # swapped-in blocks are private copies; register the full ones in the prefix cache again

@@ -68,7 +68,7 @@ class Scheduler:
         if total > self.cfg.max_model_len:
             raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                                            f"exceeds max_model_len ({self.cfg.max_model_len})")
-        need = self.kv.blocks_needed(max(total, self.kv.reserve_tokens or 0))
+        need = self.kv.max_blocks_held(total, self.cfg.max_num_batched_tokens)
         if need > self.kv.pool.num_usable_blocks:
             raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} "
                                            f"KV blocks, more than the whole KV cache ({self.kv.pool.num_usable_blocks}"

@@ -76,8 +76,11 @@ class LLMEngine:
         bytes_per_block = self.kv_cache_bytes_per_token * args.block_size
         num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
+                                 sliding_window=cfg.uniform_window)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
+        if cfg.layer_windows:
+            log.info("%s", window_plan(cfg, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
                                                                       kv_dtype, args.seed))
@@ -281,3 +284,17 @@ def _free_memory_bytes(device: str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def window_plan(cfg, bytes_per_token: int) -> str:
+    """The memory-plan line of a model with sliding-window layers: bytes per token per layer group."""
+    w = [cfg.window(i) for i in range(cfg.num_layers)]
+    per_layer = bytes_per_token // cfg.num_layers
+    groups = {win: w.count(win) for win in sorted(set(w))}
+    desc = ", ".join(f"{n} layers {'full' if win == 0 else f'window {win}'} ({n * per_layer} bytes/token)"
+                     for win, n in groups.items())
+    if cfg.uniform_window:
+        return (f"sliding window: {desc}; blocks behind the window of every layer return to the pool while a "
+                "request runs")
+    return (f"sliding window: {desc}; one block table serves every layer, so KV behind the window is kept "
+            "(per-group block tables are not implemented)")

@@ -74,7 +74,7 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                  "status": r.status.value, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
                  "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
                  "num_output_tokens": r.num_output_tokens, "blocks": table,
-                 "host_blocks": list(kv.swapped.get(r.request_id, ())), "num_preemptions": r.num_preemptions,
+                 "host_blocks": [h for h in kv.swapped.get(r.request_id, ()) if h is not None], "num_preemptions": r.num_preemptions,
                  "age_s": round(now - r.arrival_time, 2), "parent": r.parent_id}
         if where == "waiting":
             entry["reason"] = sch.waiting_reason(r)
@@ -86,7 +86,8 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
     state[0] = NULL
     for blocks in kv.req_blocks.values():
         for b in blocks:
-            state[b.block_id], ref[b.block_id] = USED, b.ref_cnt
+            if b is not pool.null_block:      # (behind a sliding window: given back)
+                state[b.block_id], ref[b.block_id] = USED, b.ref_cnt
     for h, b in pool.cached.items():
         hashes[b.block_id] = f"{h & 0xFFFFFFFF:08x}"
         if b.ref_cnt == 0:
@@ -104,7 +105,7 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                     "num_cached_blocks": pool.num_cached_blocks(), "kv_usage": round(kv.usage(), 4),
                     "running": len(sch.running), "waiting": len(sch.waiting),
                     "swapped": sum(1 for _, r in sch.waiting if r.status is RequestStatus.SWAPPED),
-                    "host_blocks_used": sum(len(v) for v in kv.swapped.values())},
+                    "host_blocks_used": sum(h is not None for v in kv.swapped.values() for h in v)},
         "requests": reqs,
         "steps": list(recorder.steps),
         "health": {"prefix_queries": c.prefix_queries, "prefix_hits": c.prefix_hits,

@@ -56,6 +56,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def uniform_window(self) -> int:
+        """W when every layer slides over the same W positions (their KV behind it can be given back), else 0."""
+        w = set(self.layer_windows or [0])
+        return w.pop() if len(w) == 1 else 0
+
     def window(self, layer: int) -> int:
         """0: full attention; W: the layer attends to the last W positions only."""
         return self.layer_windows[layer] if self.layer_windows else 0

@@ -33,7 +33,8 @@ def family_specs() -> dict[str, tuple[str, str, dict]]:
             pad_token_id=0, eos_token_id=1, bos_token_id=1, original_max_position_embeddings=256,
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2, 4, 8, 16, 32]})),
-        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                sliding_window=WINDOW)),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16, norm_topk_prob=True,
             mlp_only_layers=[1])),

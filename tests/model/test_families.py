@@ -52,8 +52,12 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
     prompts = _prompts(hf.config.vocab_size)
     refs = [hf_greedy(hf, p, 24) for p in prompts]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    for args in (dict(max_num_batched_tokens=64, long_prefill_token_threshold=16),      # chunked
-                 dict(num_kv_blocks=18, block_size=8, max_num_batched_tokens=64)):       # preempted
+    # preempted: a pool below what the three sequences hold at once (with every layer sliding they hold
+    # only their window, so that pool is smaller still)
+    tight = dict(num_kv_blocks=18, block_size=8, max_num_batched_tokens=64)
+    if name in ("mistral", "mixtral"):
+        tight = dict(num_kv_blocks=8, block_size=8, max_num_batched_tokens=16, long_prefill_token_threshold=16)
+    for args in (dict(max_num_batched_tokens=64, long_prefill_token_threshold=16), tight):      # chunked, preempted
         llm = LLM(d, dtype="float32", **({"num_kv_blocks": 64} | args))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for out, (ref, ref_lp) in zip(outs, refs):
@@ -110,3 +114,20 @@ def test_bf16_and_int8_close_to_float32(saved, name, kw):
         with LLM(d, num_kv_blocks=64, **args) as llm:
             return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
     _assert_logprobs_close(greedy(dtype="float32"), greedy(**kw), f"{name} {kw}")
+
+
+@pytest.mark.parametrize("name", ["mistral", "mixtral"])
+def test_sliding_window_model_runs_in_a_pool_smaller_than_its_sequences(saved, name):
+    """Every layer slides over 24 positions: 114-token sequences (15 blocks of 8) run in a pool of 8
+    usable blocks, their blocks behind the window given back as they go, tokens still HF's."""
+    d, hf = saved[name]
+    prompts = _prompts(hf.config.vocab_size)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(d, dtype="float32", num_kv_blocks=9, block_size=8, max_num_batched_tokens=16,
+             long_prefill_token_threshold=16) as llm:
+        assert llm.engine.kv.sliding_window == 24
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.kv.num_free_blocks == 8
+    for out, p in zip(outs, prompts):
+        ref, ref_lp = hf_greedy(hf, p, 24)
+        assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
