@@ -2,7 +2,12 @@
 
 bytes/token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes; a request of L tokens holds
 ceil(L / block_size) blocks; the tail of its last block is the only waste. A contiguous reservation
-of max_len tokens per request holds max_len tokens whatever the request uses."""
+of max_len tokens per request holds max_len tokens whatever the request uses.
+
+Sliding-window layers (Gemma 3: 5 of every 6 attend to the last 1,024 positions) need only the blocks
+covering their window: `windowed_bytes` is what a request holds when the blocks behind the window are
+given back (vLLM's hybrid allocator; pagedserve does this when every layer slides, and keeps them
+when only some do: one block table serves all layers)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +29,7 @@ class RequestPlan:
     live_bytes: int
     tail_waste_bytes: int
     contiguous_bytes: int
+    windowed_bytes: int            # = allocated_bytes without sliding-window layers
 
 
 @dataclass(slots=True)
@@ -42,23 +48,33 @@ class KVPlan:
     fit_len: int | None
     fit_paged: int | None
     fit_contiguous: int | None
+    sliding_window: int = 0
+    sliding_layers: int = 0
+    layers: int = 0
 
 
 def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int, lengths: list[int],
-         max_len: int, budget_bytes: int | None = None, fit_len: int | None = None, scale_bytes: int = 0) -> KVPlan:
+         max_len: int, budget_bytes: int | None = None, fit_len: int | None = None, scale_bytes: int = 0,
+         sliding_window: int = 0, sliding_layers: int = 0) -> KVPlan:
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size),
                     ("max_len", max_len)):
         if v < 1:
             raise ValueError(f"{name} must be positive, got {v}")
     if any(L < 1 for L in lengths):
         raise ValueError(f"lengths must be positive, got {lengths}")
+    if sliding_window < 0 or not 0 <= sliding_layers <= layers or bool(sliding_window) != bool(sliding_layers):
+        raise ValueError(f"sliding_window ({sliding_window}) and sliding_layers ({sliding_layers}) go together, "
+                         f"with 0 < sliding_layers <= layers ({layers})")
     per_tok = 2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)
+    per_layer_block = per_tok // layers * block_size
     block_bytes = per_tok * block_size
+    window_blocks = -(-(sliding_window - 1) // block_size) + 1 if sliding_window else 0   # W - 1 back + this one
     reqs = []
     for L in lengths:
         blocks = -(-L // block_size)
+        windowed = per_layer_block * ((layers - sliding_layers) * blocks + sliding_layers * min(blocks, window_blocks))
         reqs.append(RequestPlan(L, blocks, blocks * block_bytes, L * per_tok, blocks * block_bytes - L * per_tok,
-                                max(max_len, L) * per_tok))
+                                max(max_len, L) * per_tok, windowed))
     fit_p = fit_c = None
     if budget_bytes is not None:
         fl = fit_len or max_len
@@ -68,7 +84,7 @@ def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size
     return KVPlan(per_tok, block_size, block_bytes, reqs, sum(r.blocks for r in reqs),
                   sum(r.allocated_bytes for r in reqs), sum(r.live_bytes for r in reqs),
                   sum(r.tail_waste_bytes for r in reqs), max_len, sum(r.contiguous_bytes for r in reqs),
-                  budget_bytes, fit_len, fit_p, fit_c)
+                  budget_bytes, fit_len, fit_p, fit_c, sliding_window, sliding_layers, layers)
 
 
 def _mib(b: int) -> str:
@@ -94,6 +110,12 @@ def render(p: KVPlan) -> str:
               f"{100 * p.total_tail_waste_bytes / max(1, p.total_allocated_bytes):.2f}%)",
               f"contiguous reservation of {p.contiguous_max_len:,} tokens per request: {_size(p.total_contiguous_bytes)} "
               f"({100 * (1 - p.total_live_bytes / max(1, p.total_contiguous_bytes)):.1f}% of it unused)"]
+    if p.sliding_window:
+        win = sum(r.windowed_bytes for r in p.requests)
+        beyond = p.bytes_per_token * (p.layers - p.sliding_layers) // p.layers
+        lines.append(f"with the blocks behind the {p.sliding_window:,}-token window of {p.sliding_layers} of {p.layers} "
+                     f"layers given back: {_size(win)} ({100 * win / max(1, p.total_allocated_bytes):.1f}% of paged); "
+                     f"bytes per token beyond the window {p.bytes_per_token:,} -> {beyond:,}")
     if p.budget_bytes is not None:
         lines.append(f"in {_size(p.budget_bytes)}: {p.fit_paged:,} requests of {p.fit_len:,} tokens fit paged, "
                      f"{p.fit_contiguous:,} with contiguous {p.contiguous_max_len:,}-token reservations")
@@ -112,6 +134,8 @@ def add_kv_plan_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-len", type=int, default=4096, help="contiguous reservation per request")
     ap.add_argument("--budget", default=None, help="memory for the KV pool, e.g. 8GiB: how many requests fit")
     ap.add_argument("--fit-len", type=int, default=None, help="request length for --budget (default: --max-len)")
+    ap.add_argument("--sliding-window", type=int, default=0, help="window of the sliding layers, in tokens")
+    ap.add_argument("--sliding-layers", type=int, default=0, help="how many layers slide (Gemma 3: 5 of every 6)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -122,6 +146,9 @@ def run_kv_plan(ns) -> int:
         from pagedserve.model.loader import read_model_config, resolve_model
         cfg = read_model_config(resolve_model(None if ns.model == "default" else ns.model))
         layers, kv_heads, head_dim = layers or cfg.num_layers, kv_heads or cfg.num_kv_heads, head_dim or cfg.head_dim
+        windows = [w for w in (cfg.layer_windows or []) if w]
+        if windows and not ns.sliding_window:
+            ns.sliding_window, ns.sliding_layers = max(windows), len(windows)
     missing = [f"--{n}" for n, v in (("layers", layers), ("kv-heads", kv_heads), ("head-dim", head_dim)) if v is None]
     if missing:
         raise ValueError(f"kv-plan needs --model or {', '.join(missing)}")
@@ -131,6 +158,6 @@ def run_kv_plan(ns) -> int:
         raise ValueError(f"--lengths must be comma-separated integers, got {ns.lengths!r}") from None
     budget = parse_bytes(ns.budget, "--budget") if ns.budget else None
     p = plan(layers, kv_heads, head_dim, DTYPE_BYTES[ns.dtype], ns.block_size, lengths, ns.max_len, budget, ns.fit_len,
-             SCALE_BYTES.get(ns.dtype, 0))
+             SCALE_BYTES.get(ns.dtype, 0), ns.sliding_window, ns.sliding_layers)
     print(json.dumps(asdict(p), indent=2) if ns.json else render(p))
     return 0

@@ -1,6 +1,8 @@
 """kv-plan reproduces the seed's worked example exactly."""
 import json
 
+import pytest
+
 from pagedserve.entrypoints.cli import main
 from pagedserve.kv_plan import plan
 
@@ -49,3 +51,17 @@ def test_bad_input(capsys):
 def test_kv_plan_reads_the_default_model(capsys):
     assert main(["kv-plan", "--model", "default", "--dtype", "fp32", "--lengths", "100"]) == 0
     assert "46,080" in capsys.readouterr().out     # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    """Gemma-3-4B's shape: 29 of 34 layers slide over 1,024 tokens; at 32k context the KV with the blocks
+    behind the window given back is under a quarter of what full attention in every layer holds."""
+    from pagedserve.kv_plan import plan
+    p = plan(34, 4, 256, 2, 16, [32768], 32768, sliding_window=1024, sliding_layers=29)
+    per_layer_block = 2 * 4 * 256 * 2 * 16
+    assert p.requests[0].windowed_bytes == per_layer_block * (5 * 2048 + 29 * 65)     # 64 blocks back + this one
+    assert p.requests[0].windowed_bytes < p.total_allocated_bytes / 4
+    assert plan(34, 4, 256, 2, 16, [100], 100, sliding_window=1024, sliding_layers=29).requests[0].windowed_bytes \
+        == plan(34, 4, 256, 2, 16, [100], 100).total_allocated_bytes                  # shorter than the window
+    with pytest.raises(ValueError, match="sliding_layers"):
+        plan(34, 4, 256, 2, 16, [100], 100, sliding_window=1024)
