@@ -70,7 +70,10 @@ def _cached_files(repo: str, revision: str | None, cache: str) -> list[str]:
     root = os.path.join(cache, "models--" + repo.replace("/", "--"))
     rev = revision or "main"
     ref = os.path.join(root, "refs", rev)
-    commit = open(ref).read().strip() if os.path.isfile(ref) else rev
+    commit = rev
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
     snap = os.path.join(root, "snapshots", commit)
     if not os.path.isdir(snap):
         raise LocalEntryNotFoundError(f"{repo}@{rev} not cached")

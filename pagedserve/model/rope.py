@@ -23,9 +23,10 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | 
     `factors`: longrope's per-frequency divisors (short or long)."""
     dim = rotary_dim(cfg)
     theta = cfg.rope_theta if theta is None else theta
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if factors is not None:
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** (torch.arange(0, dim, 2).float() / dim))
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv = 1.0 / (theta ** exponents)
     rs = (cfg.rope_scaling or {}) if scaling is None else scaling
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "llama3":
