@@ -10,7 +10,8 @@ it; no 5xx; nothing hung; afterwards nothing runs or waits, every KV block is fr
 the server is healthy. Exit status 1 if any of that fails.
 
 Usage: python bench/soak.py [--requests 1000] [--concurrency 16] [--num-kv-blocks 48] [--preemption-mode swap]
-       [--kv-cache-dtype int8] [--url URL]
+       [--kv-cache-dtype int8] [--url URL] [--serve-args "--dtype bfloat16"] [--rss-every 50]
+       [--warmup 500 --max-rss-growth-mb 20]
 """
 from __future__ import annotations
 
@@ -171,19 +172,48 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
 
 
-async def soak(base: str, a) -> dict:
+def process_tree(pid: int) -> list[int]:
+    """The server and every process under it (tensor-parallel ranks, data-parallel replicas)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def rss_sample(pid: int) -> dict[str, float]:
+    """MiB resident, per process of the server's tree: 'server', then 'child1', 'child2', ... by pid."""
+    pids = process_tree(pid)
+    return {("server" if p == pid else f"child{k}"): round(rss_bytes(p) / 2**20, 1)
+            for k, p in enumerate([pid] + sorted(set(pids) - {pid}))}
+
+
+async def soak(base: str, a, pid: int | None = None) -> dict:
     rng = random.Random(a.seed)
     plans = [plan(i, rng, a.max_tokens) for i in range(a.requests)]
     sem = asyncio.Semaphore(a.concurrency)
     limits = httpx.Limits(max_connections=a.concurrency * 2)
+    rss: list[tuple[int, dict]] = [(0, rss_sample(pid))] if pid else []      # (requests finished, MiB per process)
+    finished = 0
     async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
         async def guarded(p):
+            nonlocal finished
             async with sem:
-                return await run_one(client, p, a.hang_s)
+                res = await run_one(client, p, a.hang_s)
+            finished += 1
+            if pid and finished % a.rss_every == 0:
+                rss.append((finished, rss_sample(pid)))
+            return res
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in plans))
         wall = time.perf_counter() - t0
-    return {"results": results, "wall_s": wall, "plans": plans}
+    return {"results": results, "wall_s": wall, "plans": plans, "rss": rss}
 
 
 def settle(base: str, timeout_s: float = 30.0) -> dict:
@@ -208,6 +238,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--url", default=None, help="soak a running server instead of starting one")
     ap.add_argument("--json", default=None, help="write the summary here")
+    ap.add_argument("--rss-every", type=int, default=50, help="record the server's RSS after every this many requests")
+    ap.add_argument("--warmup", type=int, default=500, help="requests before RSS growth is counted")
+    ap.add_argument("--max-rss-growth-mb", type=float, default=None,
+                    help="fail when the RSS floor of any process of the server rises more than this after --warmup "
+                         "requests (rss_growth)")
+    ap.add_argument("--model", default=None, help="the server's model (default: its default model)")
+    ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags for the path soaked, "
+                                                      "e.g. '--dtype bfloat16' or '--quantization gguf'")
     a = ap.parse_args(argv)
     srv = None
     if a.url:
@@ -215,10 +253,11 @@ def main(argv=None) -> int:
     else:
         srv, base = serve(["--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
                            "--preemption-mode", a.preemption_mode, "--swap-space", "0.05",
-                           "--kv-cache-dtype", a.kv_cache_dtype])
+                           "--kv-cache-dtype", a.kv_cache_dtype, *([a.model] if a.model else []),
+                           *a.serve_args.split()])
     try:
         rss0 = rss_bytes(srv.pid) if srv else None
-        run = asyncio.run(soak(base, a))
+        run = asyncio.run(soak(base, a, srv.pid if srv else None))
         dbg = settle(base)
         health = httpx.get(base + "/health", timeout=10).status_code
         metrics = httpx.get(base + "/metrics", timeout=10).text
@@ -251,6 +290,13 @@ def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
         failures.append({"leak": dbg["kv"], "running": len(dbg["running"]), "waiting": len(dbg["waiting"])})
     if health != 200:
         failures.append({"health": health})
+    # async.deadlines: a finished request's deadline may stay until it passes (bounded, see _push_deadline)
+    held = {k: v for k, v in dbg.get("held", {}).items() if v and k != "async.deadlines"}
+    if held:
+        failures.append({"held_after_idle": held})
+    growth = rss_growth(run["rss"], a.warmup)
+    if a.max_rss_growth_mb is not None and growth is not None and max(growth.values()) > a.max_rss_growth_mb:
+        failures.append({"rss_growth_mb": growth, "allowed": a.max_rss_growth_mb, "after_requests": a.warmup})
     lat = [r["latency_s"] for r in res if r["outcome"] == "ok"]
     return {
         "requests": len(res), "concurrency": a.concurrency, "wall_s": round(run["wall_s"], 1),
@@ -261,8 +307,24 @@ def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
         "preemptions": int(preemptions), "latency_p50_s": round(pct(lat, 50) or 0, 2),
         "latency_p99_s": round(pct(lat, 99) or 0, 2), "output_tokens": sum(r.get("tokens", 0) for r in res),
         "rss_before_mb": rss0 and round(rss0 / 2**20), "rss_after_mb": rss1 and round(rss1 / 2**20),
+        "rss_growth_after_warmup_mb": growth, "held_after_idle": dbg.get("held"), "serve_args": a.serve_args,
+        "rss_mb": run["rss"],
         "outcomes": dict(outcomes), "failures": failures[:20],
     }
+
+
+def rss_growth(trace: list[tuple[int, dict]], warmup: int) -> dict[str, float] | None:
+    """MiB by which each process's RSS floor rose after `warmup` requests: the lowest sample of the
+    second half of the requests after warm-up minus the lowest of the first half. A step's transient
+    buffers (prompt logprobs over a long prompt: tens of MiB) come and go between samples, so single
+    samples swing by tens of MiB either way; what a leak or fragmentation keeps raises the floor."""
+    after = [(n, s) for n, s in trace if n > warmup]
+    if len(after) < 4:
+        return None
+    mid = (after[0][0] + after[-1][0]) / 2
+    first, second = [s for n, s in after if n <= mid], [s for n, s in after if n > mid]
+    return {k: round(min(s[k] for s in second) - min(s[k] for s in first), 1)
+            for k in first[0] if all(k in s for s in first + second)}
 
 
 if __name__ == "__main__":

@@ -58,6 +58,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def held(self) -> dict[str, int]:
+        """Entries per request-keyed structure (none once every request has finished); the prefix
+        cache is bounded by the pool (one entry per cached block)."""
+        return {"kv.req_blocks": len(self.req_blocks), "kv.num_hashed": len(self.num_hashed),
+                "kv.swapped": len(self.swapped), "kv.host_blocks_taken": self.num_host_blocks - len(self.host_free)}
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

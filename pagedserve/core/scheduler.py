@@ -56,6 +56,11 @@ class Scheduler:
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
         self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
 
+    def held(self) -> dict[str, int]:
+        """Per-request entries (none once every request has finished)."""
+        return {"scheduler.requests": len(self.requests), "scheduler.running": len(self.running),
+                "scheduler.waiting": len(self.waiting), "scheduler.static_batch": len(self.static_batch)}
+
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Reject at once a request that could never run (ParamError names the field)."""

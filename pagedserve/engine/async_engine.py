@@ -28,6 +28,8 @@ from pagedserve.sampling_params import SamplingParams
 log = logging.getLogger("pagedserve")
 
 
+DEADLINES_SLACK = 64        # stale deadline entries tolerated before the heap is rebuilt (_push_deadline)
+
 class RequestStream:
     """One request's outputs in order; the last one is finished. `abort()` (the client went away)
     ends the request in the engine; its final output then says "abort"."""
@@ -216,8 +218,22 @@ class AsyncLLMEngine:
                 continue
             self._streams[item.out.request_id] = item.out
             if self.request_timeout_s is not None:
-                heapq.heappush(self._deadlines, (item.arrival_time + self.request_timeout_s, item.out.request_id))
+                self._push_deadline(item.arrival_time + self.request_timeout_s, item.out.request_id)
             item.resolve(None)
+
+    def _push_deadline(self, deadline: float, request_id: str) -> None:
+        """A finished request's deadline stays in the heap until it passes (expiring it is a no-op);
+        when stale entries outnumber live ones the heap is rebuilt from the live ones, so it holds at
+        most 2 x (requests in flight) + DEADLINES_SLACK entries rather than every request of the
+        last --request-timeout seconds."""
+        heapq.heappush(self._deadlines, (deadline, request_id))
+        if len(self._deadlines) > 2 * len(self._streams) + DEADLINES_SLACK:
+            self._deadlines = [d for d in self._deadlines if d[1] in self._streams]
+            heapq.heapify(self._deadlines)
+
+    def held(self) -> dict[str, int]:
+        """Per-request entries: the engine's, plus this frontend's streams and deadlines."""
+        return {**self.engine.held(), "async.streams": len(self._streams), "async.deadlines": len(self._deadlines)}
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -202,6 +202,12 @@ class LLMEngine:
         self.counters.count_finish("error")
         return self.outputs.output(st)
 
+    def held(self) -> dict[str, int]:
+        """Entries per request-keyed structure of the engine and its core (every count is 0 once all
+        requests have finished, whatever way they ended): what a soak checks for per-request leaks."""
+        return {"engine.states": len(self.states), **self.scheduler.held(), **self.kv.held(),
+                **self.runner.sampler.held()}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 

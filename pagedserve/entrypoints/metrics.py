@@ -89,6 +89,11 @@ class ServerMetrics:
                 self._tok_seen.pop(out.request_id, None)
                 self.finish(out)
 
+    def held(self) -> dict[str, int]:
+        """Per-request entries (streams whose last token time is kept for the inter-token histogram);
+        metric labels are bounded by the finish reasons."""
+        return {"metrics.tok_seen": len(self._tok_seen)}
+
     def finish(self, out) -> None:
         m = out.metrics
         for o in out.outputs:

@@ -50,7 +50,8 @@ async def prometheus(http: Request):
 
 @router.get("/debug/scheduler")
 async def debug_scheduler(http: Request):
-    eng = _state(http).engine
+    st = _state(http)
+    eng = st.engine
     sch, kv = eng.scheduler, eng.kv
     waiting = sorted(list(sch.waiting), key=lambda x: x[0])
     return {
@@ -62,6 +63,8 @@ async def debug_scheduler(http: Request):
                "blocks_cached": kv.pool.num_cached_blocks(), "usage": kv.usage(), "block_size": kv.block_size},
         "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
                    "max_model_len": sch.cfg.max_model_len},
+        # entries of every request-keyed structure: all 0 once nothing runs or waits (a soak checks it)
+        "held": {**st.aengine.held(), **st.metrics.held()},
     }
 
 

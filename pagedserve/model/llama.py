@@ -20,6 +20,7 @@ from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.gemm import gemm, padded
 from pagedserve.model.quant import PackedWeight, measure_crossover
 from pagedserve.model.rope import rope_tables
 
@@ -29,13 +30,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, tran
     up to 3x faster than F.linear on some CPUs (AMD EPYC: 3 rows x the 49152-row LM head, 10 ms vs
     31 ms) and 2-3x slower on others (Intel Xeon with AVX-512), so LlamaForCausalLM.choose_gemm_form()
     measures both on the model's own weights when it is loaded. A PackedWeight (--quantization)
-    multiplies itself."""
+    multiplies itself. Rows are padded to a bucket where the GEMM library keeps state per shape
+    (pagedserve.model.gemm)."""
     if isinstance(w, PackedWeight):
         return w.matmul(x, b)
-    if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
-        return F.linear(x, w, b)
-    y = (w @ x.t()).t().contiguous()
-    return y if b is None else y + b
+    m, x = x.shape[0], padded(x)
+    if not transposed or not 2 <= m <= 128 or x.device.type != "cpu":
+        y = F.linear(x, w, b)
+    else:
+        y = (w @ x.t()).t().contiguous()
+        y = y if b is None else y + b
+    return y if x.shape[0] == m else y[:m]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +63,7 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)         # (T, experts), float32 as HF
+        probs = torch.softmax(gemm(x, self.router).float(), dim=-1)         # (T, experts), float32 as HF
         weights, experts = torch.topk(probs, self.top_k, dim=-1)                # (T, k)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -69,8 +74,8 @@ class MoE(nn.Module):
         for e, n in enumerate(torch.bincount(experts.flatten(), minlength=self.router.shape[0]).tolist()):
             if n:
                 r = rows[start:start + n]
-                gate, up = F.linear(x[r], self.gate_up[e]).chunk(2, dim=-1)
-                y = F.linear(self.act(gate) * up, self.down[e]) * weights[start:start + n, None]
+                gate, up = gemm(x[r], self.gate_up[e]).chunk(2, dim=-1)
+                y = gemm(self.act(gate) * up, self.down[e]) * weights[start:start + n, None]
                 out.index_add_(0, r, y.to(out.dtype))
                 start += n
         return out

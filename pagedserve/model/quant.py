@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.model.gemm import gemm, padded
 
 # format -> (kernel code, weights per block, bytes per block)
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -81,20 +82,24 @@ class PackedWeight:
         return y if bias is None else y + bias
 
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile."""
+        """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile, at
+        x's bucketed row count (pagedserve.model.gemm)."""
         N = self.data.shape[0]
         rows = min(N, max(16, TILE_WEIGHTS // self.K))
         if x.dtype not in (torch.float32, torch.bfloat16):        # the kernel writes only those two
-            return F.linear(x, self.dequantize(x.dtype), bias)
+            return gemm(x, self.dequantize(x.dtype), bias)
+        m, x = x.shape[0], padded(x)
         scratch = _scratch(x.dtype, rows * self.K)
         if rows == N:
             self._dequant_into(scratch.view(N, self.K))
-            return F.linear(x, scratch.view(N, self.K), bias)
+            out = F.linear(x, scratch.view(N, self.K), bias)
+            return out if x.shape[0] == m else out[:m]
         out = torch.empty(x.shape[0], N, dtype=x.dtype)
         for n0 in range(0, N, rows):
             tile = scratch[: (min(N, n0 + rows) - n0) * self.K].view(-1, self.K)
             self._dequant_into(tile, first=n0)
             out[:, n0:n0 + tile.shape[0]] = F.linear(x, tile)
+        out = out if x.shape[0] == m else out[:m]
         return out if bias is None else out + bias
 
     def _qmatmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.req_generators.pop(request_id, None)
 
+    def held(self) -> dict[str, int]:
+        return {"sampler.req_generators": len(self.req_generators)}
+
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         if row.generator_seed is None:
             return None

@@ -97,6 +97,28 @@ def test_request_timeout_is_408(served):
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 408
 
 
+def test_finished_requests_leave_nothing_behind(served):
+    """Requests that finish, time out or are cut leave no entry in any request-keyed structure
+    (/debug/scheduler's `held`), and the deadline heap stays bounded by the requests in flight, not by
+    every request of the last --request-timeout seconds."""
+    from pagedserve.engine.async_engine import DEADLINES_SLACK
+    with served(request_timeout_s=3600) as (base, app):
+        aeng = app.state.server.aengine
+        for i in range(3 * DEADLINES_SLACK):
+            r = httpx.post(base + "/v1/completions", headers=H, json={"prompt": [1, 2, 3 + i], "max_tokens": 1})
+            assert r.status_code == 200
+        assert len(aeng._deadlines) <= DEADLINES_SLACK + 2
+        try:
+            httpx.post(base + "/v1/completions", headers=H, timeout=0.3,
+                       json={"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True})
+        except httpx.TimeoutException:
+            pass
+        assert wait(lambda: not httpx.get(base + "/debug/scheduler", headers=H).json()["running"])
+        held = httpx.get(base + "/debug/scheduler", headers=H).json()["held"]
+        assert "engine.states" in held and "metrics.tok_seen" in held and "sampler.req_generators" in held
+        assert not any(v for k, v in held.items() if k != "async.deadlines"), held
+
+
 def test_dead_engine_fails_every_client_at_once(served, engine, monkeypatch):
     with served() as (base, app):
         died = threading.Event()

@@ -1,0 +1,73 @@
+"""Dense GEMMs with bounded shapes.
+
+Where oneDNN computes a CPU GEMM (bfloat16 and float16 on AVX-512 hosts, AMX tiles included), it JIT-
+compiles a kernel and builds a primitive (code + scratchpad) for every new (M, N, K) and keeps them
+in caches. A serving step's row count M is the number of tokens the scheduler put in it, which takes
+hundreds of values over a day, so every new M costs a compile and memory that is not given back
+(issue 22: +1.1 MiB RSS per request on an AMX host, float32 flat). Here M is padded up to a bucket:
+exact up to 16 rows (decode batches), then 8 buckets per power of two (at most 12.5 % padded rows),
+so a model meets at most (its weight shapes) x len(buckets_up_to(max tokens per step)) GEMM shapes
+(2048 tokens: 72 buckets), all of them in its first few hundred requests. float32 runs through MKL, which keeps no per-shape state, and is not
+padded (its results then stay exactly those of an unpadded GEMM)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.host import cpu_info
+
+EXACT_ROWS = 16             # row counts up to this are their own bucket
+BUCKETS_PER_OCTAVE = 8      # above it: M rounded up to a multiple of 2**(floor(log2 M) - 3)
+
+
+def bucket(m: int) -> int:
+    """The row count a GEMM of m rows is computed at."""
+    if m <= EXACT_ROWS:
+        return m
+    step = (1 << (m.bit_length() - 1)) // BUCKETS_PER_OCTAVE      # m is in [2**k, 2**(k+1)): 2**k / 8
+    return -(-m // step) * step
+
+
+def buckets_up_to(m: int) -> list[int]:
+    """Every bucket a step of 1..m rows can use."""
+    return sorted({bucket(i) for i in range(1, m + 1)})
+
+
+@functools.cache
+def pads_rows(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether GEMMs in `dtype` on this device pad their rows: bf16/fp16 on CPUs where torch gives
+    them to oneDNN (AVX-512: avx512bw, avx512vl, avx512dq). PAGEDSERVE_GEMM_BUCKETS=1 or 0 decides
+    instead (tests use it to run the padded path on any host)."""
+    forced = os.environ.get("PAGEDSERVE_GEMM_BUCKETS")
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"PAGEDSERVE_GEMM_BUCKETS must be 0 or 1, got {forced!r}")
+    if forced:
+        return forced == "1"
+    if device_type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    flags = cpu_info()[1]
+    return torch.backends.mkldnn.is_available() and all(f in flags for f in ("avx512bw", "avx512vl", "avx512dq"))
+
+
+def padded(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) with zero rows appended up to bucket(M) where this dtype pads; x itself otherwise.
+    Callers slice the product's first M rows."""
+    m = x.shape[0]
+    if not pads_rows(x.dtype, x.device.type):
+        return x
+    mb = bucket(m)
+    if mb == m:
+        return x
+    out = x.new_zeros((mb, *x.shape[1:]))
+    out[:m] = x
+    return out
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) at a bucketed row count."""
+    xp = padded(x)
+    y = F.linear(xp, w, b)
+    return y if xp is x else y[: x.shape[0]]

@@ -1,0 +1,93 @@
+"""GEMM row buckets (pagedserve.model.gemm, issue 22): a bounded set of row counts, little padding,
+the same products as unpadded GEMMs, and every dense GEMM of a running engine at a bucketed row
+count once the padded path is on (forced here with PAGEDSERVE_GEMM_BUCKETS=1, since the hosts
+where it is on by itself, AVX-512 ones, are not every host)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import gemm as gemm_mod
+from pagedserve.model.gemm import bucket, buckets_up_to, gemm, pads_rows
+from pagedserve.model.llama import linear
+from pagedserve.model.quant import quantize_int8
+from tests.model.families import save_family
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    def force(on: bool):
+        monkeypatch.setenv("PAGEDSERVE_GEMM_BUCKETS", "1" if on else "0")
+        pads_rows.cache_clear()
+    yield force
+    monkeypatch.delenv("PAGEDSERVE_GEMM_BUCKETS", raising=False)
+    pads_rows.cache_clear()
+
+
+def test_buckets_are_few_and_pad_little():
+    for m in range(1, 20_000):
+        b = bucket(m)
+        assert m <= b <= m * 1.125 and bucket(b) == b, m
+        assert b == m or m > gemm_mod.EXACT_ROWS
+    assert len(buckets_up_to(2048)) == 72 and buckets_up_to(16) == list(range(1, 17))
+    assert [bucket(m) for m in (17, 33, 100, 2047)] == [18, 36, 104, 2048]
+
+
+def test_the_host_rule_and_its_override(forced):
+    forced(True)
+    assert pads_rows(torch.float32, "cpu")
+    forced(False)
+    assert not pads_rows(torch.bfloat16, "cpu")
+    import os
+    os.environ["PAGEDSERVE_GEMM_BUCKETS"] = "yes"
+    pads_rows.cache_clear()
+    with pytest.raises(ValueError, match="PAGEDSERVE_GEMM_BUCKETS"):
+        pads_rows(torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 17, 37, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_products_equal_unpadded(forced, rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(rows, 96, generator=g).to(dtype), torch.randn(200, 96, generator=g).to(dtype),
+               torch.randn(200, generator=g).to(dtype))
+    ref = F.linear(x.float(), w.float(), b.float())
+    packed = quantize_int8(w.float())
+    packed.small_m = 0                              # the dequantize + GEMM path, which pads
+    forced(True)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.5, rtol=0.02)
+    for y in (gemm(x, w, b), linear(x, w, b, False), linear(x, w, b, True)):
+        assert y.shape == (rows, 200) and y.dtype == dtype and y.is_contiguous()
+        torch.testing.assert_close(y.float(), ref, **tol)
+    y = packed.matmul(x, b)
+    assert y.shape == (rows, 200)
+    torch.testing.assert_close(y.float(), F.linear(x.float(), packed.dequantize(), b.float()), **tol)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_every_engine_gemm_runs_at_a_bucket(forced, tmp_path, tokenizer, monkeypatch, name):
+    """Prompts of many lengths, chunked prefill and mixed decode batches: F.linear (dense layers, the
+    LM head, the MoE router and experts) only ever sees bucketed row counts, and the greedy tokens
+    equal those of the unpadded path (float32: padding rows changes no other row's result)."""
+    save_family(name, tmp_path, len(tokenizer), tokenizer)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, len(tokenizer), (n,), generator=g).tolist()}
+               for n in (3, 17, 29, 45, 70, 101, 133)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run():
+        with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=160) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    monkeypatch.setenv("PAGEDSERVE_SMALL_M_GEMM", "linear")     # every product through F.linear, seen below
+    forced(False)
+    plain = run()
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a, **k: seen.append(x.shape[0]) or real(x, *a, **k))
+    forced(True)
+    assert run() == plain
+    odd = sorted({m for m in seen if bucket(m) != m})
+    assert seen and not odd, f"GEMMs at unbucketed row counts: {odd}"
+    assert any(m > gemm_mod.EXACT_ROWS for m in seen)       # prefill steps did run padded
