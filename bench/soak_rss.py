@@ -1,6 +1,7 @@
 """RSS against requests, per serving path: bench/soak.py once per path (a fresh `pagedserve serve`
-each; warm-up: --warmup or a third of the path's requests, whichever is less), the server's RSS (every rank's, with tensor parallelism) recorded every --rss-every requests,
-drawn in one PNG and summarised as the growth after --warmup requests.
+each), the server's RSS (every rank's, with tensor parallelism) recorded every --rss-every requests,
+drawn in one PNG and summarised as the rise of the RSS floor after warm-up (--warmup or a third of
+the path's requests, whichever is less; soak.py's rss_growth).
 
 Usage: python bench/soak_rss.py [--requests 5000] [--paths float32,bfloat16,gguf,int8-kv,tp2:1000]
        [--warmup 500] [--out bench/results/soak_rss.png] [--json bench/results/soak_rss.json]
