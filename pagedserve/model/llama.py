@@ -34,13 +34,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, tran
     (pagedserve.model.gemm)."""
     if isinstance(w, PackedWeight):
         return w.matmul(x, b)
-    m, x = x.shape[0], padded(x)
-    if not transposed or not 2 <= m <= 128 or x.device.type != "cpu":
-        y = F.linear(x, w, b)
-    else:
-        y = (w @ x.t()).t().contiguous()
-        y = y if b is None else y + b
-    return y if x.shape[0] == m else y[:m]
+    if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
+        return gemm(x, w, b)
+    y = (w @ padded(x).t()).t()[: x.shape[0]].contiguous()
+    return y if b is None else y + b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
