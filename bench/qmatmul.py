@@ -1,5 +1,6 @@
 """The packed-weight kernels alone: one token's worth of the model's matrices (cold: each read once,
-as in decode), each matrix in cache (hot), and the crossover against dequantize + torch GEMM.
+as in decode), each matrix in cache (hot), and the crossover against dequantize + torch GEMM; for
+float32 activations (qmatmul) and int8-rounded ones (qmatmul_q8, the bf16 path) side by side.
 
 Usage: python bench/qmatmul.py [--quantization gguf|int8] [--dtype float32|bfloat16]
 """
@@ -24,28 +25,35 @@ def main():
           f"{torch.get_num_threads()} threads; weights {model.weights_desc}")
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     ws = [getattr(layer, n).weight for layer in model.layers for n in names]
-    xs = {w.K: torch.randn(1, w.K) for w in ws}
-    for _ in range(3):
-        t = time.perf_counter()
-        for w in ws:
-            w._qmatmul(xs[w.K])
-        dt = time.perf_counter() - t
+    print(f"int8-activation products: {kernels.load(source='qmatmul').qmatmul_q8_isa().decode()}")
     nbytes = sum(w.nbytes for w in ws)
-    print(f"one token, cold (every layer matrix once, 1 row): {1e3 * dt:.2f} ms, {nbytes / dt / 1e9:.1f} GB/s")
     blocks_per_row = {w.K: w.K // 32 for w in ws}
-    for n in names:
-        w = getattr(model.layers[0], n).weight
-        x = xs[w.K]
-        for _ in range(20):
-            w._qmatmul(x)
-        t = time.perf_counter()
-        for _ in range(200):
-            w._qmatmul(x)
-        dt = (time.perf_counter() - t) / 200
-        per_block = dt / (w.shape[0] * blocks_per_row[w.K]) * torch.get_num_threads()
-        print(f"  {n:13s} {str(tuple(w.shape)):13s} hot: {1e6 * dt:7.1f} us, {1e9 * per_block:.2f} ns per 32 weights "
-              f"per thread")
-    print("crossover:", measure_crossover(model.layers[0].gate_up_proj.weight, dtype)[1])
+    for q8 in (False, True):
+        kind = "int8 x (qmatmul_q8)" if q8 else "float32 x (qmatmul)"
+        for m in (1, 2, 4, 8):
+            xs = {w.K: torch.randn(m, w.K) for w in ws}
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for w in ws:
+                    w._qmatmul(xs[w.K], q8)
+                best = min(best, time.perf_counter() - t)
+            print(f"{kind}: one step of {m} row(s), cold (every layer matrix once): {1e3 * best:.2f} ms, "
+                  f"{nbytes / best / 1e9:.1f} GB/s")
+        for n in names:
+            w = getattr(model.layers[0], n).weight
+            x = torch.randn(1, w.K)
+            for _ in range(20):
+                w._qmatmul(x, q8)
+            t = time.perf_counter()
+            for _ in range(200):
+                w._qmatmul(x, q8)
+            dt = (time.perf_counter() - t) / 200
+            per_block = dt / (w.shape[0] * blocks_per_row[w.K]) * torch.get_num_threads()
+            print(f"  {n:13s} {str(tuple(w.shape)):13s} hot: {1e6 * dt:7.1f} us, {1e9 * per_block:.2f} ns per 32 "
+                  f"weights per thread")
+    probe = model.layers[0].gate_up_proj.weight
+    print("crossover:", measure_crossover(probe, dtype)[1])
 
 
 if __name__ == "__main__":

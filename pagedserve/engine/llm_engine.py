@@ -23,7 +23,7 @@ from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.model.loader import load_model, read_model_config, resolve_model
-from pagedserve.model.quant import weight_bytes
+from pagedserve.model.quant import int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer
@@ -62,7 +62,10 @@ class LLMEngine:
     def _build(self, dtype: torch.dtype) -> None:
         """Load this rank's model, plan memory, build the cache manager, the scheduler and the runners."""
         args, tp = self.args, self.executor.tp
-        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization, tp)
+        int8_act, why = int8_activations(args.dtype, args.quantization)
+        if args.quantization != "none":
+            log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
+        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization, tp, int8_act)
         self.tokenizer = load_tokenizer(self.source)
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),

@@ -3,6 +3,8 @@
 paged_attention.c: decode and prefill attention that read K/V in place through the block tables,
 in every KV cache format (float32, bfloat16, int8 + per-token scales).
 qmatmul.c: products with quantized weights (GGUF blocks, per-channel int8), see pagedserve.model.quant.
+layer_ops.c: a float32 decoder layer's work between its products (RMSNorm with the residual add, RoPE with
+the K/V write, SiLU x up), one call each.
 Each source is compiled per ISA level the host runs (avx512 = x86-64-v4, avx2 = x86-64-v3, generic);
 the best one is loaded.
 A build is cached under a key made of the source, the compiler, the flags, the level and the
@@ -25,12 +27,17 @@ import torch
 from pagedserve.host import cpu_info
 
 log = logging.getLogger("pagedserve")
-SOURCES = ("paged_attention", "qmatmul")
+SOURCES = ("paged_attention", "qmatmul", "layer_ops")
 
-# ISA level -> (CPU flags it needs, compiler flags); best first
+# ISA level -> (CPU flags it needs, compiler flags); best first. The -vnni levels add the int8 dot-product
+# instruction (vpdpbusd) that qmatmul_q8 uses; everything else in them is the level below.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma")
+_AVX2 = ("avx2", "fma", "f16c", "bmi2")
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"), ("-march=x86-64-v4",)),
-    "avx2": (("avx2", "fma", "f16c", "bmi2"), ("-march=x86-64-v3",)),
+    "avx512-vnni": ((*_AVX512, "avx512_vnni"), ("-march=x86-64-v4", "-mavx512vnni")),
+    "avx512": (_AVX512, ("-march=x86-64-v4",)),
+    "avx2-vnni": ((*_AVX2, "avx_vnni"), ("-march=x86-64-v3", "-mavxvnni")),
+    "avx2": (_AVX2, ("-march=x86-64-v3",)),
     "generic": ((), ("-march=x86-64",) if platform.machine() in ("x86_64", "AMD64") else ()),
 }
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -76,10 +83,16 @@ def _declare(lib: ctypes.CDLL, source: str) -> None:
         args = [p] * 5 + [i] + [p] * 3 + [i] * 6 + [f, i]
         lib.paged_decode_attention.argtypes = args
         lib.paged_prefill_attention.argtypes = args[:8] + [p] + args[8:]
-    else:
-        lib.qmatmul.argtypes = [p, i, i, i, p, i, i, i64, p, i]
+    elif source == "qmatmul":
+        lib.qmatmul.argtypes = lib.qmatmul_q8.argtypes = [p, i, i, i, p, i, i, i64, p, i]
+        lib.qmatmul_q8_isa.restype = ctypes.c_char_p
         lib.qdequant.argtypes = [p, i, i, i64, p, i, p, i]
-    for name in ("paged_decode_attention", "paged_prefill_attention", "qmatmul", "qdequant"):
+    else:
+        lib.add_rms_norm.argtypes = [p] * 5 + [i, i, f]
+        lib.rope_kv.argtypes = [p, i, p, p, i, p, p, p, p, p, i, p, i, i, i, i]
+        lib.silu_mul.argtypes = [p, i, p, i, i]
+    for name in ("paged_decode_attention", "paged_prefill_attention", "qmatmul", "qmatmul_q8", "qdequant",
+                 "add_rms_norm", "rope_kv", "silu_mul"):
         if hasattr(lib, name):
             getattr(lib, name).restype = None
     getattr(lib, f"{source}_isa").restype = ctypes.c_char_p
@@ -186,4 +199,41 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                 KV_CODES[k_cache.dtype], block_tables.data_ptr(), cu_q.data_ptr(),
                                 context_lens.data_ptr(), out.data_ptr(), block_tables.shape[0], nh, n_kv, hd, bs,
                                 block_tables.shape[1], scale, window)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (T, H) contiguous: r = x + y (or x when y is None) and w * rmsnorm(r); returns (r, normed)."""
+    lib = lib or load(source="layer_ops")
+    T, H = x.shape
+    r = x if y is None else torch.empty_like(x)
+    out = torch.empty_like(x)
+    lib.add_rms_norm(x.data_ptr(), _ptr(y), _ptr(None if y is None else r), w.data_ptr(), out.data_ptr(), T, H, eps)
+    return r, out
+
+
+def rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            slot_mapping: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+            lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """qkv (T, (n_heads + 2 n_kv) x head_dim) float32 with unit column stride; cos, sin (T, 1, rot) float32
+    (None: no RoPE); caches (num_blocks, bs, n_kv, head_dim) in KV_CODES' formats. RoPE on q and k, k and v
+    written to slot_mapping's slots; returns q rotated, (T, n_heads, head_dim) contiguous."""
+    lib = lib or load(source="layer_ops")
+    T = qkv.shape[0]
+    q = torch.empty(T, n_heads, head_dim, dtype=torch.float32)
+    rot = 0 if cos is None else cos.shape[-1]
+    lib.rope_kv(qkv.data_ptr(), qkv.stride(0), _ptr(cos), _ptr(sin), rot, q.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale), KV_CODES[k_cache.dtype], slot_mapping.data_ptr(),
+                T, n_heads, n_kv, head_dim)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """(T, 2 I) float32, unit column stride -> silu(gate) * up, (T, I)."""
+    lib = lib or load(source="layer_ops")
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=torch.float32)
+    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
     return out

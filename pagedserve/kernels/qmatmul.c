@@ -282,4 +282,282 @@ void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t
     DEQ[fmt](w, K, row_bytes, rows, n, out, bf16);
 }
 
+/* ---- int8 activations: qmatmul_q8 ------------------------------------------------------------------
+ * For --dtype bfloat16 / float16 (activations are rounded anyway) the rows of x are rounded to int8 per
+ * 32 values as GGUF's Q8 blocks (d = max|x| / 127, q = round(x / d)), and each 32-block of weights is
+ * multiplied with them in integers: u8 x s8 products summed by `vpdpbusd` where the CPU has VNNI
+ * (AVX512-VNNI or AVX-VNNI: 32 multiply-adds per 256-bit uop), `vpmaddubsw` + `vpmaddwd` on AVX2, a
+ * scalar loop otherwise. A block's result is then one int32 -> float convert and one multiply-add with
+ * d_w * d_x per row, where the float path widens and converts every weight (~8 uops per 32 weights).
+ * Weights as unsigned bytes u with w = d * u + m (Q4_0: u = q, m = -8 d; Q4_1: m from the block;
+ * Q4_K: d * sc, -dmin * mn; Q6_K: per-16 scales, m = -32 d sc), so sum_k w x = d dx sum(u q) + m dx sum(q);
+ * Q8_0 and our int8 are signed and use |w| with the sign moved onto q (no u8 x s8 overflow: |q| <= 127).
+ * The pair sums of vpmaddubsw stay within int16: 2 x 63 x 127 at most. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_DOT_ISA "vnni512"
+#elif defined(__AVXVNNI__)
+#define Q8_DOT_ISA "avxvnni"
+#elif defined(__AVX2__)
+#define Q8_DOT_ISA "maddubs"
+#else
+#define Q8_DOT_ISA "scalar"
+#endif
+
+/* the products' instruction this build uses, for the log and the tests */
+const char *qmatmul_q8_isa(void) { return Q8_DOT_ISA; }
+
+typedef struct {
+    const int8_t *q;    /* M x K, row stride K */
+    const float *d;     /* M x nb: each block's scale */
+    const float *ds;    /* M x nb: d * sum(q) of each block (the m term) */
+    const int32_t *s16; /* M x 2nb: sum(q) of each half block (Q6_K's per-16 scales) */
+} q8rows;
+
+/* x (M x K float32) -> int8 blocks of 32 */
+static void quantize_q8(const float *x, int M, int ldx, int K, int8_t *q, float *d, float *ds, int32_t *s16) {
+    const int nb = K / 32;
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < nb; j++) {
+            const float *xb = x + (int64_t)m * ldx + 32 * j;
+            int8_t *qb = q + (int64_t)m * K + 32 * j;
+#if defined(__AVX2__)
+            __m256 v[4], amax = _mm256_setzero_ps();
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float mx = _mm_cvtss_f32(h), dd = mx / 127.0f;
+            const __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
+            /* the two halves' sums, for the m terms */
+            __m256i lo = _mm256_add_epi32(i0, i1), hi = _mm256_add_epi32(i2, i3);
+            __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+            __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+            __m128i sums = _mm_hadd_epi32(_mm_hadd_epi32(l4, h4), _mm_setzero_si128());
+            int32_t a = _mm_extract_epi32(sums, 0), b = _mm_extract_epi32(sums, 1);
+            /* int32 -> int8 in element order (the packs interleave the 128-bit lanes) */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)qb, p);
+#else
+            float mx = 0.0f;
+            for (int i = 0; i < 32; i++) mx = fmaxf(mx, fabsf(xb[i]));
+            float dd = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+            int32_t a = 0, b = 0;
+            for (int i = 0; i < 32; i++) {
+                int v = (int)nearbyintf(xb[i] * id);
+                qb[i] = (int8_t)v;
+                if (i < 16) a += v; else b += v;
+            }
+#endif
+            d[m * nb + j] = dd;
+            ds[m * nb + j] = dd * (float)(a + b);
+            s16[2 * (m * nb + j)] = a, s16[2 * (m * nb + j) + 1] = b;
+        }
+}
+
+/* block j of a row: its 32 weights as bytes (unsigned, or signed for Q8_0 / I8), its scale d, m term and
+ * the two per-16 scales (Q6_K; 1 otherwise) */
+INLINE void weight_block(int fmt, const uint8_t *row, int j, uint8_t *u, float *d, float *mn, int16_t *sc) {
+    sc[0] = sc[1] = 1;
+    if (fmt == W_I8 || fmt == W_Q8_0) {
+        const uint8_t *q = fmt == W_I8 ? row + 4 + 32 * (int64_t)j : row + 34 * (int64_t)j + 2;
+        memcpy(u, q, 32);
+        *d = fmt == W_I8 ? 1.0f : f16(row + 34 * (int64_t)j), *mn = 0.0f;
+    } else if (fmt == W_Q4_0 || fmt == W_Q4_1) {
+        const uint8_t *b = row + (fmt == W_Q4_1 ? 20 : 18) * (int64_t)j, *q = b + (fmt == W_Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) u[i] = q[i] & 15, u[i + 16] = q[i] >> 4;
+        *d = f16(b);
+        *mn = fmt == W_Q4_1 ? f16(b + 2) : -8.0f * *d;
+    } else if (fmt == W_Q4_K) {
+        const uint8_t *b = row + 144 * (int64_t)(j >> 3);
+        int s = j & 7, isc, imn;
+        q4k_scale_min(b + 4, s, &isc, &imn);
+        const uint8_t *q = b + 16 + 32 * (s >> 1);
+        for (int i = 0; i < 32; i++) u[i] = (q[i] >> ((s & 1) * 4)) & 15;
+        *d = f16(b) * (float)isc, *mn = -f16(b + 2) * (float)imn;
+    } else { /* W_Q6_K: u = q in 0..63, w = d * sc * (u - 32) */
+        const uint8_t *b = row + 210 * (int64_t)(j >> 3);
+        int s = j & 7, h = s >> 2, t = s & 3;
+        const uint8_t *ql = b + 64 * h + (t & 1) * 32, *qh = b + 128 + 32 * h;
+        for (int i = 0; i < 32; i++) u[i] = ((ql[i] >> ((t >> 1) * 4)) & 15) | (((qh[i] >> (2 * t)) & 3) << 4);
+        const int8_t *s8 = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+        sc[0] = s8[0], sc[1] = s8[1];
+        *d = f16(b + 208), *mn = 0.0f;      /* the -32 terms use the per-16 sums, see q8_rows */
+    }
+}
+
+#if defined(__AVX2__)
+/* 8 int32: sums of 4 adjacent u8 x s8 products */
+INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* the block's weights as 32 bytes in a register, straight from the packed layout */
+INLINE __m256i weight_bytes(int fmt, const uint8_t *row, int j, float *d, float *mn, int16_t *sc) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (fmt == W_I8 || fmt == W_Q8_0) {
+        const uint8_t *q = fmt == W_I8 ? row + 4 + 32 * (int64_t)j : row + 34 * (int64_t)j + 2;
+        *d = fmt == W_I8 ? 1.0f : f16(row + 34 * (int64_t)j), *mn = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)q);
+    }
+    if (fmt == W_Q4_0 || fmt == W_Q4_1) {
+        const uint8_t *b = row + (fmt == W_Q4_1 ? 20 : 18) * (int64_t)j;
+        __m128i q = _mm_loadu_si128((const __m128i *)(b + (fmt == W_Q4_1 ? 4 : 2)));
+        *d = f16(b);
+        *mn = fmt == W_Q4_1 ? f16(b + 2) : -8.0f * *d;
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+    }
+    if (fmt == W_Q4_K) {
+        const uint8_t *b = row + 144 * (int64_t)(j >> 3);
+        int s = j & 7, isc, imn;
+        q4k_scale_min(b + 4, s, &isc, &imn);
+        *d = f16(b) * (float)isc, *mn = -f16(b + 2) * (float)imn;
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
+        return _mm256_and_si256(_mm256_srli_epi16(q, (s & 1) * 4), low4);
+    }
+    const uint8_t *b = row + 210 * (int64_t)(j >> 3);
+    int s = j & 7, h = s >> 2, t = s & 3;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + (t & 1) * 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    ql = _mm256_and_si256(_mm256_srli_epi16(ql, (t >> 1) * 4), low4);
+    qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+    const int8_t *s8 = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+    sc[0] = s8[0], sc[1] = s8[1];
+    *d = f16(b + 208), *mn = 0.0f;
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+}
+#endif
+
+/* rows n0..n1 of out = x . W^T with x as int8 blocks; M a compile-time constant as in dot_rows */
+INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
+                    int n0, int n1) {
+    const int nb = K / 32;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (int64_t)n * row_bytes;
+        const uint8_t *ahead = row + PREFETCH_ROWS * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        float mins[MAXM];
+#if defined(__AVX2__)
+        __m256 acc[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps(), mins[m] = 0.0f;
+        for (int j = 0; j < nb; j++) {
+            float d, mn;
+            int16_t sc[2] = {1, 1};
+            __m256i u = weight_bytes(fmt, row, j, &d, &mn, sc);
+            const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+            const int sgn = fmt == W_I8 || fmt == W_Q8_0;
+            __m256i au = sgn ? _mm256_sign_epi8(u, u) : u;
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(x.q + (int64_t)m * K + 32 * j));
+                __m256i p;
+                if (fmt == W_Q6_K)
+                    p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, q), sc16);
+                else
+                    p = dot_u8s8(au, sgn ? _mm256_sign_epi8(q, u) : q);
+                float dx = x.d[m * nb + j];
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc[m]);
+                if (fmt == W_Q6_K) {
+                    const int32_t *s = x.s16 + 2 * (m * nb + j);
+                    mins[m] -= 32.0f * d * dx * (float)(sc[0] * s[0] + sc[1] * s[1]);
+                } else if (mn != 0.0f) {
+                    mins[m] += mn * x.ds[m * nb + j];
+                }
+            }
+        }
+        float s = row_scale(fmt, row);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            __m128 h = _mm_add_ps(_mm256_extractf128_ps(acc[m], 1), _mm256_castps256_ps128(acc[m]));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[(int64_t)m * ldo + n] = s * _mm_cvtss_f32(h) + mins[m];
+        }
+#else
+        float acc[MAXM];
+        for (int m = 0; m < M; m++) acc[m] = 0.0f, mins[m] = 0.0f;
+        for (int j = 0; j < nb; j++) {
+            uint8_t u[32];
+            float d, mn;
+            int16_t sc[2];
+            weight_block(fmt, row, j, u, &d, &mn, sc);
+            const int sgn = fmt == W_I8 || fmt == W_Q8_0;
+            for (int m = 0; m < M; m++) {
+                const int8_t *q = x.q + (int64_t)m * K + 32 * j;
+                int32_t p = 0;
+                for (int i = 0; i < 32; i++) p += (sgn ? (int8_t)u[i] : (int)u[i]) * q[i] * sc[i >> 4];
+                float dx = x.d[m * nb + j];
+                acc[m] += (float)p * d * dx;
+                if (fmt == W_Q6_K) {
+                    const int32_t *s = x.s16 + 2 * (m * nb + j);
+                    mins[m] -= 32.0f * d * dx * (float)(sc[0] * s[0] + sc[1] * s[1]);
+                } else if (mn != 0.0f) {
+                    mins[m] += mn * x.ds[m * nb + j];
+                }
+            }
+        }
+        float s = row_scale(fmt, row);
+        for (int m = 0; m < M; m++) out[(int64_t)m * ldo + n] = s * acc[m] + mins[m];
+#endif
+    }
+}
+
+#define Q8_M(fmt)                                                                                        \
+    static void q8_##fmt(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0,    \
+                         int n1) {                                                                       \
+        switch (M) {                                                                                     \
+        case 1: q8_rows(fmt, 1, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 2: q8_rows(fmt, 2, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 3: q8_rows(fmt, 3, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 4: q8_rows(fmt, 4, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 5: q8_rows(fmt, 5, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 6: q8_rows(fmt, 6, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 7: q8_rows(fmt, 7, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        default: q8_rows(fmt, 8, x, K, w, rb, out, ldo, n0, n1); break;                                    \
+        }                                                                                                \
+    }
+Q8_M(W_I8)
+Q8_M(W_Q8_0)
+Q8_M(W_Q4_0)
+Q8_M(W_Q4_1)
+Q8_M(W_Q4_K)
+Q8_M(W_Q6_K)
+
+typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
+static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K};
+
+/* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
+void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
+                float *out, int ldo) {
+    const int chunk = 16, items = (N + chunk - 1) / chunk, nb = K / 32;
+    int8_t *q = malloc((size_t)M * K + sizeof(float) * 2 * (size_t)M * nb + sizeof(int32_t) * 2 * (size_t)M * nb);
+    if (!q) return;
+    float *d = (float *)(q + (size_t)M * K), *ds = d + (size_t)M * nb;   /* K is a multiple of 32: aligned */
+    int32_t *s16 = (int32_t *)(ds + (size_t)M * nb);
+    quantize_q8(x, M, ldx, K, q, d, ds, s16);
+    q8_fn f = Q8[fmt];
+#pragma omp parallel for num_threads(THREADS) schedule(static)
+    for (int it = 0; it < items; it++) {
+        int n0 = it * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int m0 = 0; m0 < M; m0 += MAXM) {
+            q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb, s16 + 2 * (int64_t)m0 * nb};
+            f(M - m0 < MAXM ? M - m0 : MAXM, xr, K, w, row_bytes, out + (int64_t)m0 * ldo, ldo, n0, n1);
+        }
+    }
+    free(q);
+}
+
 DEFINE_ISA(qmatmul_isa)

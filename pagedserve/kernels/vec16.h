@@ -28,8 +28,12 @@ static int g_threads = 0;
     void name(int n) { g_threads = n > 0 ? n : 0; }
 
 /* the level a build was compiled for, so the loader can log it and tests can name it */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define ISA_NAME "avx512-vnni"
+#elif defined(__AVX512F__)
 #define ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+#define ISA_NAME "avx2-vnni"
 #elif defined(__AVX2__)
 #define ISA_NAME "avx2"
 #else

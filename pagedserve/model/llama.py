@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import kernels
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
@@ -111,8 +112,18 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)
             self.down_proj = nn.Linear(inter, h, bias=False)
         self.transposed = False        # small-batch GEMM form, see linear()
+        self.ops = None                # the layer_ops kernels, when this layer takes the native float32 path
+
+    def native_ok(self) -> bool:
+        """Whether _forward_native computes this layer: float32 on the CPU, and none of the family options it
+        leaves to torch (q/k norms, sandwich norms, soft-caps, MoE, an activation other than SiLU)."""
+        return (self.attn_norm.dtype == torch.float32 and self.attn_norm.device.type == "cpu"
+                and self.q_norm is None and self.post_attn_norm is None and self.post_mlp_norm is None
+                and self.softcap is None and self.moe is None and self.act is F.silu and self.hd <= 256)
 
     def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+        if self.ops is not None:
+            return self._forward_native(x, rope, kv, md)
         T, tr, nh = x.shape[0], self.transposed, self.n_heads
         qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias, tr)
         n_qk = nh + self.n_kv
@@ -133,6 +144,23 @@ class DecoderLayer(nn.Module):
         gate, up = linear(h, self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
         return self._add(x, self.tp.all_reduce(linear(self.act(gate) * up, self.down_proj.weight, None, tr)),
                          self.post_mlp_norm)
+
+    def _forward_native(self, x, rope, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+        """forward() with the work between the products in one native call each (kernels/layer_ops.c):
+        the same float32 arithmetic, ~6 calls a layer where torch dispatches ~25 ops."""
+        T, tr, ops = x.shape[0], self.transposed, self.ops
+        x = x.contiguous()
+        _, h = kernels.add_rms_norm(x, self.attn_norm, self.eps, lib=ops)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr)
+        q = kernels.rope_kv(qkv, *(rope or (None, None)), kv.k, kv.v, kv.k_scale, kv.v_scale, md.slot_mapping,
+                            self.n_heads, self.n_kv, self.hd, lib=ops)
+        o = paged_attention(q, kv, md, self.scale, self.window)
+        y = self.tp.all_reduce(linear(o.view(T, -1), self.o_proj.weight, self.o_proj.bias, tr)).contiguous()
+        x, h = kernels.add_rms_norm(x, self.mlp_norm, self.eps, y if self.residual_scale == 1.0 else
+                                    y * self.residual_scale, lib=ops)
+        d = self.tp.all_reduce(linear(kernels.silu_mul(linear(h, self.gate_up_proj.weight, None, tr), lib=ops),
+                                      self.down_proj.weight, None, tr))
+        return x.add_(d if self.residual_scale == 1.0 else d * self.residual_scale)
 
     def _add(self, x: torch.Tensor, branch: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         if post_norm is not None:
@@ -209,8 +237,22 @@ class LlamaForCausalLM(nn.Module):
         dense = [layer for layer in self.layers if layer.moe is None]
         return dense[0].gate_up_proj.weight if dense else self.layers[0].qkv_proj.weight
 
+    def choose_layer_path(self) -> str:
+        """Layers that can (DecoderLayer.native_ok) take the native float32 path between their products,
+        unless PAGEDSERVE_LAYER_OPS=torch. Returns the line logged at load."""
+        lib = None
+        if os.environ.get("PAGEDSERVE_LAYER_OPS", "native") != "torch" and any(l.native_ok() for l in self.layers):
+            lib = kernels.load(source="layer_ops")
+        for layer in self.layers:
+            layer.ops = lib if layer.native_ok() else None
+        n = sum(layer.ops is not None for layer in self.layers)
+        why = ("PAGEDSERVE_LAYER_OPS=torch" if os.environ.get("PAGEDSERVE_LAYER_OPS") == "torch" else
+               "no C compiler" if n == 0 and lib is None and any(l.native_ok() for l in self.layers) else
+               "float32 layers without q/k norms, sandwich norms, soft-caps or MoE take it")
+        return f"layer glue: native in {n} of {len(self.layers)} layers ({why})"
+
     @torch.inference_mode()
-    def choose_gemm_form(self) -> str:
+    def choose_gemm_form(self, int8_act: bool = False) -> str:
         """Time F.linear against (w @ x.T).T on this model's MLP and LM-head weights at 8 and 64 rows;
         the transposed form is kept for batches of 2..128 rows only when it is clearly faster (1.5x:
         where the two are close, run-to-run noise must not flip the numerics between runs).
@@ -220,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if isinstance(self._probe_weight(), PackedWeight):
-            return self._choose_packed_crossover(head)
+            return self._choose_packed_crossover(head, int8_act)
         if head.device.type != "cpu":
             return "small-batch GEMMs: F.linear (not on CPU)"
         if forced:
@@ -243,12 +285,14 @@ class LlamaForCausalLM(nn.Module):
             layer.transposed = use
         return f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"
 
-    def _choose_packed_crossover(self, head) -> str:
-        """Packed weights: up to how many rows qmatmul beats dequantize + GEMM, measured per shape."""
+    def _choose_packed_crossover(self, head, int8_act: bool) -> str:
+        """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
+        measured per shape."""
         lines = []
         for name, w in (("layers", self._probe_weight()), ("LM head", head)):
             if not isinstance(w, PackedWeight):
                 continue
+            w.int8_act = int8_act
             m, line = measure_crossover(w, self.norm.dtype)
             lines.append(f"{name}: {line}")
             targets = [w] if name == "LM head" else [getattr(layer, p).weight for layer in self.layers
@@ -256,5 +300,5 @@ class LlamaForCausalLM(nn.Module):
                                                    if hasattr(layer, p)]
             for t in targets:
                 if isinstance(t, PackedWeight):
-                    t.small_m = m
+                    t.small_m, t.int8_act = m, w.int8_act
         return "packed GEMMs: " + "; ".join(lines)

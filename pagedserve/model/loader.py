@@ -91,11 +91,14 @@ _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
 
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               quantization: str = "none", tp: TPGroup | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none", tp: TPGroup | None = None,
+               int8_act: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
-    process share one loaded copy per (file, dtype, device, quantization).
+    process share one loaded copy per (file, dtype, device, quantization, int8_act).
     quantization: none (dense in `dtype`) | gguf (the file's quantized tensors stay packed) | int8
     (every linear weight quantized per output channel at load).
+    int8_act: few-row products with packed weights round their activations to int8 blocks
+    (pagedserve.model.quant.int8_activations decides it from the --dtype asked for).
     tp: this rank's tensor-parallel group; the model is built with this rank's slices only (never
     shared: it holds the group's collectives)."""
     if quantization not in QUANTIZATIONS:
@@ -104,16 +107,16 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
         if quantization != "none":      # (EngineArgs refuses this first; direct callers get the same answer)
             raise ValueError(f"quantization {quantization!r} is not supported with tensor_parallel_size > 1: "
                              "packed weights are not sharded")
-        return _load_model(src, dtype, device, quantization, tp)
+        return _load_model(src, dtype, device, quantization, tp, int8_act)
     if quantization != "none" and device != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device} use quantization none")
     if quantization == "gguf" and src.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {src.path} is an HF "
                          "folder; use quantization int8 or none")
     st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act)
     if key not in _LOADED:
-        _LOADED[key] = _load_model(src, dtype, device, quantization)
+        _LOADED[key] = _load_model(src, dtype, device, quantization, int8_act=int8_act)
     model, cfg = _LOADED[key]
     return model, copy.copy(cfg)
 
@@ -128,7 +131,7 @@ def cache_dir(path: str, kind: str) -> str:
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
-                tp: TPGroup | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+                tp: TPGroup | None = None, int8_act: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     if quantization == "gguf":
         cfg, weights = _read_gguf(src.path, dtype, packed=True)
     else:
@@ -153,7 +156,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, PackedWeight)}, assign=True, strict=True)
     model = model.to(device).eval()
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
-    log.info("%s", model.choose_gemm_form())
+    log.info("%s", model.choose_gemm_form(int8_act))
+    log.info("%s", model.choose_layer_path())
     return model, cfg
 
 

@@ -6,9 +6,14 @@ per-channel int8 (`quantize_int8`, one float32 scale per row). pagedserve/kernel
 multiplies few-row batches straight from the blocks (decode: the weight bytes are the cost, and
 Q4_1 is ~5 bits a weight against 32); batches of more rows than the measured crossover are
 dequantized into the compute dtype and handed to torch's GEMM (AMX / AVX512-BF16 where present).
+
+Few-row products round the activations to int8 per 32 values (GGUF's Q8 blocks, as llama.cpp does)
+and multiply in integers (`qmatmul_q8`: VNNI's vpdpbusd, AVX2's vpmaddubsw) unless `--dtype float32`
+was asked for: then they stay float32 (`qmatmul`), computing what the dequantized model computes.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ class PackedWeight:
     data: torch.Tensor          # (N, row_bytes) uint8
     K: int                      # inputs per row
     small_m: int = 8            # rows of x up to which qmatmul beats dequantize + GEMM (measured at load)
+    int8_act: bool = False      # few-row products round x to int8 blocks (set at load: int8_activations)
 
     def __post_init__(self) -> None:
         _, per_block, block_bytes = FORMATS[self.fmt]
@@ -77,7 +83,7 @@ class PackedWeight:
         """x (M, K) @ W.T -> (M, N) in x's dtype."""
         if x.shape[0] > self.small_m:
             return self._dense_matmul(x, bias)
-        y = self._qmatmul(x)
+        y = self._qmatmul(x, self.int8_act)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if bias is None else y + bias
 
@@ -102,16 +108,43 @@ class PackedWeight:
         out = out if x.shape[0] == m else out[:m]
         return out if bias is None else out + bias
 
-    def _qmatmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _qmatmul(self, x: torch.Tensor, int8_act: bool = False) -> torch.Tensor:
+        """The in-register kernels: x in float32, or rounded to int8 blocks of 32 (`int8_act`)."""
         x32 = x.float().contiguous()
         M, N = x32.shape[0], self.data.shape[0]
         out = torch.empty(M, N, dtype=torch.float32)
-        _lib().qmatmul(x32.data_ptr(), M, self.K, self.K, self.data.data_ptr(), FORMATS[self.fmt][0], N,
-                       self.data.shape[1], out.data_ptr(), N)
+        lib = _lib()
+        (lib.qmatmul_q8 if int8_act else lib.qmatmul)(x32.data_ptr(), M, self.K, self.K, self.data.data_ptr(),
+                                                      FORMATS[self.fmt][0], N, self.data.shape[1], out.data_ptr(), N)
         return out
 
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
-        return PackedWeight(self.fmt, self.data[perm], self.K)
+        return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act)
+
+
+def int8_activations(dtype_asked: str, quantization: str) -> tuple[bool, str]:
+    """Whether few-row products with packed weights round their activations to int8 blocks, and why:
+    yes unless `--dtype float32` was asked for (the exact path: what the dequantized model computes).
+    With bfloat16 / float16 the activations are rounded anyway; with `auto` the default is held to the
+    closeness rule on every host (it is bfloat16 on AMX / AVX512-BF16 hosts, float32 elsewhere).
+    PAGEDSERVE_INT8_ACTIVATIONS=0|1 decides instead (an A/B knob for benchmarks)."""
+    if quantization == "none":
+        return False, "no packed weights"
+    env = os.environ.get("PAGEDSERVE_INT8_ACTIVATIONS")
+    if env in ("0", "1"):
+        return env == "1", "PAGEDSERVE_INT8_ACTIVATIONS"
+    if dtype_asked == "float32":
+        return False, "--dtype float32: the exact path"
+    return True, f"--dtype {dtype_asked}: held to the closeness rule"
+
+
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """What qmatmul_q8 multiplies: x (M, K) rounded to int8 per 32 values (d = max|x| / 127, round half
+    to even), as float32. The reference for tests and accuracy figures."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -159,7 +192,7 @@ def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
     while m <= SMALL_M_MAX:
         x = torch.randn(m, w.K).to(dtype)
         t = []
-        for run in (lambda: w._qmatmul(x), lambda: w._dense_matmul(x, None)):
+        for run in (lambda: w._qmatmul(x, w.int8_act), lambda: w._dense_matmul(x, None)):
             run()
             best_s = float("inf")
             for _ in range(3):             # the fastest of 3: a busy neighbour only ever adds time
@@ -174,7 +207,8 @@ def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
             break
         m *= 2
     shown = ", ".join(f"{m}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for m, (a, b) in times.items())
-    return max(best, 1), f"packed up to {max(best, 1)} rows (qmatmul/dequantize+GEMM at {shown})"
+    kernel = f"qmatmul_q8 ({_lib().qmatmul_q8_isa().decode()})" if w.int8_act else "qmatmul"
+    return max(best, 1), f"packed up to {max(best, 1)} rows ({kernel}/dequantize+GEMM at {shown})"
 
 
 class PackedLinear(nn.Module):

@@ -22,6 +22,11 @@ def _greedy(llm):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
+def _packed(llm):
+    from pagedserve.model.quant import PackedLinear
+    return [m.weight for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+
+
 def _assert_logprobs_close(ref, other, name):
     for k, ((ta, la), (tb, lb)) in enumerate(zip(ref, other)):
         assert len(ta) == len(tb) == TOKENS
@@ -40,9 +45,12 @@ def fp32_greedy(llm):
 
 @pytest.mark.parametrize("dtype,kv,quant", [("float32", "bfloat16", "none"), ("float32", "int8", "none"),
                                             ("bfloat16", "auto", "none"), ("float32", "float32", "int8"),
-                                            ("bfloat16", "auto", "int8"), ("bfloat16", "auto", "gguf")])
+                                            ("bfloat16", "auto", "int8"), ("bfloat16", "auto", "gguf"),
+                                            ("auto", "auto", "gguf")])
 def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
     other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
+    # packed weights multiply int8-rounded activations (qmatmul_q8) unless float32 was asked for
+    assert all(w.int8_act == (quant != "none" and dtype != "float32") for w in _packed(other))
     assert other.engine.runner.kv_cache.dtype.itemsize == {"int8": 1, "float32": 4}.get(kv, 2)
     _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv} --quantization {quant}")
 

@@ -90,3 +90,62 @@ def test_crossover_is_measured():
     w = quantize_int8(torch.randn(256, 576))
     m, line = quant.measure_crossover(w, torch.float32)
     assert 1 <= m <= quant.SMALL_M_MAX and f"packed up to {m} rows" in line
+
+
+@pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 11])
+def test_int8_activation_kernel_is_the_q8_rounded_product(level, fmt, m):
+    """qmatmul_q8 (the bf16 path's few-row products) computes, in integers, exactly the product of the
+    dequantized weights with x rounded to int8 per 32 values: only the float summation order differs.
+    Its products' instruction is the one the level names (vpdpbusd on -vnni builds)."""
+    n, k = 70, 768
+    if fmt == "I8":
+        w = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    else:
+        w = PackedWeight(fmt, torch.from_numpy(random_blocks(fmt, n, k, seed=m)), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, k)[torch.randperm(k)]
+    x[0, :64] = 0.0                                  # all-zero blocks: scale 0, no NaN
+    dense = w.dequantize().double()
+    ref = F.linear(quant.q8_round(x).double(), dense)
+    got = w._qmatmul(x, int8_act=True)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    exact = F.linear(x.double(), dense)               # and it is close to the unrounded product
+    assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+    isa = quant._lib().qmatmul_q8_isa().decode()
+    assert isa == ("vnni512" if level == "avx512-vnni" else "avxvnni" if level == "avx2-vnni" else
+                   "scalar" if level == "generic" else "maddubs")
+
+
+def test_q8_round_is_ggufs_q8_0():
+    """q8_round (the reference above) rounds as GGUF's own Q8_0 quantizer does."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
+    raw = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+    torch.testing.assert_close(quant.q8_round(x), ref, rtol=0, atol=2e-3 * x.abs().max().item())
+
+
+def test_activations_are_rounded_unless_float32_was_asked_for(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_INT8_ACTIVATIONS", raising=False)
+    assert quant.int8_activations("float32", "gguf") == (False, "--dtype float32: the exact path")
+    for asked in ("auto", "bfloat16", "float16"):
+        assert quant.int8_activations(asked, "int8")[0]
+    assert not quant.int8_activations("auto", "none")[0]
+    monkeypatch.setenv("PAGEDSERVE_INT8_ACTIVATIONS", "0")
+    assert quant.int8_activations("bfloat16", "gguf") == (False, "PAGEDSERVE_INT8_ACTIVATIONS")
+
+
+@pytest.mark.parametrize("int8_act", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_products_follow_int8_act(level, dtype, int8_act):
+    """matmul() takes qmatmul_q8 when int8_act is set (at load) and the float kernel otherwise."""
+    w = PackedWeight("Q4_1", torch.from_numpy(random_blocks("Q4_1", 32, 256)), 256)
+    w.int8_act = int8_act
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = w.matmul(x).double()
+    xr = quant.q8_round(x) if int8_act else x.float()
+    ref = F.linear(xr.double(), w.dequantize().double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5          # bf16: the output's own rounding
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+    if dtype == torch.float32:                               # and the two differ: the test can tell them apart
+        other = F.linear((x.float() if int8_act else quant.q8_round(x)).double(), w.dequantize().double())
+        assert (got - other).abs().max() > 1e-4 * ref.abs().max()

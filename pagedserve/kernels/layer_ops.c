@@ -1,0 +1,121 @@
+/* The float32 work of a decoder layer between its matrix products, one call each instead of a chain of
+ * torch ops (each ~5-10 us of dispatch and allocation on these hosts, ~25 per layer: most of a
+ * one-row step outside the weight reads):
+ *   add_rms_norm  r = x + y (y optional); out = w * (r * rsqrt(mean(r^2) + eps))
+ *   rope_kv       half-split RoPE on q and k of a fused qkv row, q written out contiguous for attention,
+ *                 k and v written into their cache slots (float32, bfloat16, int8 + per-token scales)
+ *   silu_mul      out = silu(gate) * up of a fused gate|up row
+ * Every row is computed alone, the same way whatever the batch (float32 invariance to batch shapes);
+ * rows are split over threads only when there are many. The arithmetic is torch's in float32 up to
+ * the order of a row's sum of squares and fused multiply-adds. */
+#include "vec16.h"
+
+DEFINE_SET_THREADS(layer_ops_set_threads)
+
+#define PAR_ROWS 8        /* rows from which a call is split over threads */
+
+/* one row: r = x + y written to xo (when y), out = w * rmsnorm(r) */
+static void norm_row(const float *x, const float *y, float *xo, const float *w, float *out, int H, float eps) {
+    const float *r = y ? xo : x;
+    int i = 0;
+    v16 acc = splat(0.0f);
+    for (; i + 16 <= H; i += 16) {
+        v16 v = load_f32(x + i);
+        if (y) {
+            v += load_f32(y + i);
+            store_f32(xo + i, v);
+        }
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < H; i++) {
+        float v = y ? (xo[i] = x[i] + y[i]) : x[i];
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    const v16 vi = splat(inv);
+    for (i = 0; i + 16 <= H; i += 16) store_f32(out + i, load_f32(w + i) * (load_f32(r + i) * vi));
+    for (; i < H; i++) out[i] = w[i] * (r[i] * inv);
+}
+
+/* T contiguous rows of H: with y, xo = x + y; out = w * rmsnorm(x + y, or x) */
+void add_rms_norm(const float *x, const float *y, float *xo, const float *w, float *out, int T, int H, float eps) {
+#pragma omp parallel for num_threads(THREADS) schedule(static) if (T >= PAR_ROWS)
+    for (int t = 0; t < T; t++) {
+        int64_t o = (int64_t)t * H;
+        norm_row(x + o, y ? y + o : NULL, y ? xo + o : NULL, w, out + o, H, eps);
+    }
+}
+
+/* one head: x (hd) rotated on its first rot dims into o; cos, sin (rot) */
+INLINE void rope_head(const float *x, float *o, const float *c, const float *s, int hd, int rot) {
+    const int half = rot / 2;
+    for (int i = 0; i < half; i++) o[i] = x[i] * c[i] - x[i + half] * s[i];
+    for (int i = half; i < rot; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+    for (int i = rot; i < hd; i++) o[i] = x[i];
+}
+
+static uint16_t to_bf16(float f) {         /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);       /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* a K or V row of one head into its slot: kv 0 float32, 1 bfloat16, 2 int8 with scale max|x| / 127 */
+INLINE void store_kv(const float *x, void *cache, float *scales, int64_t at, int hd, int kv) {
+    if (kv == 0) {
+        memcpy((float *)cache + at * hd, x, sizeof(float) * hd);
+    } else if (kv == 1) {
+        uint16_t *o = (uint16_t *)cache + at * hd;
+        for (int i = 0; i < hd; i++) o[i] = to_bf16(x[i]);
+    } else {
+        float mx = 0.0f;
+        for (int i = 0; i < hd; i++) mx = fmaxf(mx, fabsf(x[i]));
+        const float s = fmaxf(mx, 1e-8f) / 127.0f;
+        int8_t *o = (int8_t *)cache + at * hd;
+        for (int i = 0; i < hd; i++) {
+            float q = nearbyintf(x[i] / s);
+            o[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+        }
+        scales[at] = s;
+    }
+}
+
+/* qkv: T rows (stride ldqkv) of [q: nh x hd | k: nkv x hd | v: nkv x hd]; cos, sin: T x rot (rot 0: no
+ * RoPE, a NoPE layer); q_out: T x nh x hd; slots: T cache slots (block * block_size + offset), the caches
+ * (num_slots, nkv, hd) in format kv, scales (num_slots, nkv) for int8 */
+void rope_kv(const float *qkv, int ldqkv, const float *cos_, const float *sin_, int rot, float *q_out,
+             void *k_cache, void *v_cache, float *k_scale, float *v_scale, int kv, const int64_t *slots, int T,
+             int nh, int nkv, int hd) {
+#pragma omp parallel for num_threads(THREADS) schedule(static) if (T >= PAR_ROWS)
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (int64_t)t * ldqkv, *c = cos_ + (int64_t)t * rot, *s = sin_ + (int64_t)t * rot;
+        for (int h = 0; h < nh; h++) {
+            float *o = q_out + ((int64_t)t * nh + h) * hd;
+            if (rot) rope_head(row + h * hd, o, c, s, hd, rot);
+            else memcpy(o, row + h * hd, sizeof(float) * hd);
+        }
+        float k[512];                       /* head_dim <= 256 (kernels.supports) */
+        for (int h = 0; h < nkv; h++) {
+            const float *kr = row + (nh + h) * hd, *vr = row + (nh + nkv + h) * hd;
+            if (rot) rope_head(kr, k, c, s, hd, rot);
+            else memcpy(k, kr, sizeof(float) * hd);
+            const int64_t at = slots[t] * nkv + h;
+            store_kv(k, k_cache, k_scale, at, hd, kv);
+            store_kv(vr, v_cache, v_scale, at, hd, kv);
+        }
+    }
+}
+
+/* gu: T rows (stride ldgu) of [gate: I | up: I]; out: T x I = gate / (1 + exp(-gate)) * up */
+void silu_mul(const float *gu, int ldgu, float *out, int T, int I) {
+#pragma omp parallel for num_threads(THREADS) schedule(static) if (T >= PAR_ROWS)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * ldgu, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+DEFINE_ISA(layer_ops_isa)
