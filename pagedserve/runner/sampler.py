@@ -110,12 +110,14 @@ class Sampler:
             probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         # exponential race: argmax(p / q), q ~ Exp(1), draws one sample from p; per-request
         # generators make a seeded request's draws independent of whatever else is in the batch.
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        # q = -log(u), u ~ U[0, 1): torch's exponential_ is ~3.5x slower on the CPU (1.45 ms a row of
+        # 49,152 here, most of a sampled token's cost); u = 0 gives q = inf, a weight of 0.
+        u = torch.empty_like(probs).uniform_(generator=self.generator)
         for i, r in enumerate(reqs):
             g = self._generator(r)
             if g is not None:
-                q[i].exponential_(generator=g)
-        sampled = (probs / q).argmax(dim=-1)
+                u[i].uniform_(generator=g)
+        sampled = (probs / u.log_().neg_()).argmax(dim=-1)
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
 
 
