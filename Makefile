@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve chat test bench bench-llamacpp browser clean
+.PHONY: setup serve chat test bench bench-llamacpp bench-llama-server browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,18 @@ LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -
 	$(if $(shell grep -m1 -o avx512_bf16 /proc/cpuinfo),-DGGML_AVX512_BF16=ON)
 bench-llamacpp: setup
 	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(PY) -m pip install --quiet --no-binary llama-cpp-python -e '.[llamacpp]'
+
+# llama.cpp's own llama-server, for bench/single_decode.py and the served comparisons, from the llama.cpp tree
+# vendored in the same llama-cpp-python sdist (cmake + ninja, same ISA flags): build/llama.cpp/bin/llama-server
+LLAMACPP_SRC := build/llama.cpp/llama_cpp_python-0.3.36
+bench-llama-server: setup
+	mkdir -p build/llama.cpp
+	[ -d $(LLAMACPP_SRC) ] || ($(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 \
+		-d build/llama.cpp && tar xzf build/llama.cpp/llama_cpp_python-0.3.36.tar.gz -C build/llama.cpp)
+	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B build/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMACPP_CMAKE)
+	cmake --build build/llama.cpp/build -j$$(nproc) --target llama-server llama-quantize
+	mkdir -p build/llama.cpp/bin && cp build/llama.cpp/build/bin/llama-server build/llama.cpp/bin/llama-quantize build/llama.cpp/bin/
 
 clean:
 	rm -rf $(VENV)

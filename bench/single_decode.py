@@ -1,9 +1,12 @@
 """Single-request greedy decode tokens/s for every weight path this host runs (--dtype x --quantization),
-next to HF transformers' `generate` in float32 and bfloat16 and llama.cpp (llama-cpp-python, the
-bench-only extra `pip install -e '.[llamacpp]'`) on the same GGUF file, in one run (ratios: the
-machine is shared). Each engine runs in its own process so its RSS is its own.
+next to HF transformers' `generate` in float32 and bfloat16 and llama.cpp on the same GGUF file, both
+through llama-cpp-python (the bench-only extra, `make bench-llamacpp`) and through llama.cpp's own
+`llama-server` (`make bench-llama-server`; one slot, --cache-ram 0, the same prompt ids over
+/completion), in one run (ratios: the machine is shared). Each engine runs in its own process so its
+RSS is its own.
 
 Usage: python bench/single_decode.py [--tokens 128] [--repeats 3] [--paths float32:none,bfloat16:gguf,...]
+           [--llama-server build/llama.cpp/bin/llama-server] [--no-llamacpp]
 """
 import argparse
 import json
@@ -96,6 +99,56 @@ def run_llamacpp(tokens: int, repeats: int) -> dict:
             "load_s": round(load_s, 2), "max_rss_mb": round(rss_mb())}
 
 
+def run_llama_server(binary: str, tokens: int, repeats: int) -> dict:
+    """llama.cpp's own server: one slot, no prompt cache, 2 threads (as ours), the same prompt token ids;
+    timed per request from the client (the HTTP round trip is in it, as it would be for a user)."""
+    import signal
+    import socket
+    import urllib.request
+    from pagedserve.model.loader import resolve_model
+    src = resolve_model(None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = str(os.cpu_count())
+    cmd = [binary, "-m", src.path, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", threads,
+           "-tb", threads, "--cache-ram", "0", "--no-webui"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ids = prompt_ids()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited rc={proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        load_s = time.perf_counter() - t0
+
+        def gen(n):
+            body = {"prompt": ids, "n_predict": n, "ignore_eos": True, "temperature": 0, "cache_prompt": False,
+                    "return_tokens": True}
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+            assert out["tokens_predicted"] == n, out
+        tok_s = timed(gen, tokens, repeats)
+        with open(f"/proc/{proc.pid}/status") as f:
+            hwm = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"engine": "llama.cpp llama-server (same GGUF, -np 1, --cache-ram 0)", "tok_s": round(tok_s, 2),
+            "load_s": round(load_s, 2), "max_rss_mb": round(hwm / 1024)}
+
+
 def default_paths() -> list[str]:
     from pagedserve.host import bf16_flags
     dtypes = ["float32"] + (["bfloat16"] if bf16_flags() else [])
@@ -108,7 +161,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default=None, help="dtype:quantization,... (default: every path this host runs)")
     ap.add_argument("--hf-dtypes", default="float32,bfloat16")
-    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip llama-cpp-python")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "build/llama.cpp/bin/llama-server"),
+                    help="llama.cpp's llama-server binary (skipped when it is not there)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     import torch
@@ -116,7 +171,8 @@ def main():
     if a.child:
         kind, _, arg = a.child.partition("=")
         res = {"ours": lambda: run_ours(arg, a.tokens, a.repeats), "hf": lambda: run_hf(arg, a.tokens, a.repeats),
-               "llamacpp": lambda: run_llamacpp(a.tokens, a.repeats)}[kind]()
+               "llamacpp": lambda: run_llamacpp(a.tokens, a.repeats),
+               "llama-server": lambda: run_llama_server(arg, a.tokens, a.repeats)}[kind]()
         print("RESULT " + json.dumps(res), flush=True)
         return
     from pagedserve.host import describe
@@ -124,6 +180,10 @@ def main():
     jobs = [f"ours={p}" for p in (a.paths.split(",") if a.paths else default_paths())]
     jobs += [f"hf={d}" for d in a.hf_dtypes.split(",") if d]
     jobs += [] if a.no_llamacpp else ["llamacpp="]
+    if os.path.isfile(a.llama_server):
+        jobs.append(f"llama-server={a.llama_server}")
+    else:
+        print(f"no llama-server at {a.llama_server} (make bench-llama-server): skipped")
     results = []
     for job in jobs:
         p = subprocess.run([sys.executable, __file__, "--child", job, "--tokens", str(a.tokens), "--repeats",
@@ -135,7 +195,7 @@ def main():
         results.append(json.loads(line[0][7:]))
         print(line[0], flush=True)
     ref = {r["engine"]: r["tok_s"] for r in results}
-    lcpp = next((v for k, v in ref.items() if k.startswith("llama.cpp")), None)
+    lcpp = max((v for k, v in ref.items() if k.startswith("llama.cpp")), default=None)     # its best
     hf32 = ref.get("HF generate float32")
     print("\n| engine | weights | tok/s | x HF fp32 | x llama.cpp | weights MiB | max RSS MiB |\n|---|---|---|---|---|---|---|")
     for r in results:
