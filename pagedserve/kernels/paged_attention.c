@@ -97,28 +97,6 @@ INLINE v16 reduce16(const v16 *a) {
     return fold2(d[0], d[1]);
 }
 
-/* exp(x) for x <= 0 (scores minus their running max), Cephes-style: 2^n * p(r), |rel err| < 2e-7;
- * below -87 the result is 0 (and exp(-inf) = 0 for masked keys). */
-INLINE v16 vexp(v16 x) {
-    const v16 lo = splat(-87.f);
-    const v16i dead = x < lo;                                     /* all-ones lanes where x < -87 */
-    x = (v16)(((v16i)x & ~dead) | ((v16i)lo & dead));
-    const v16 fx = x * splat(1.44269504088896341f), t = fx + splat(0.5f);
-    v16 nf = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);   /* trunc toward 0 */
-    nf += __builtin_convertvector((v16i)(nf > t), v16);                         /* -> floor(fx + 0.5) */
-    const v16i n = __builtin_convertvector(nf, v16i);
-    const v16 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.f);
-    const v16 y = p * (v16)((n + 127) << 23);
-    return (v16)((v16i)y & ~dead);
-}
-
 INLINE float sexp(float x) { return expf(x); }
 
 /* ------------------------------------------------------------------ decode */
@@ -158,7 +136,22 @@ INLINE void head_rows(int dt, int HD, const void *cache, const float *scales, co
     }
 }
 
+#if defined(__AVX2__)
+INLINE float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 #define DT_KEYS 32      /* decode keys per tile: two vectors of scores per head, one softmax update */
+/* heads of a GQA group that share each V row load: 3 x head_dim / 16 accumulators fit AVX-512's 32
+ * registers; on 16-register ISAs they spilled on every key, so one head at a time there */
+#if defined(__AVX512F__)
+#define PV_HEADS 3
+#else
+#define PV_HEADS 1
+#endif
 
 INLINE void decode_range(const int dt, const int HD, const float *q, const void *kc, const void *vc,
                          const float *ks, const float *vs, const int64_t *table, int64_t t0, int64_t t1,
@@ -184,6 +177,7 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
             head_rows(dt, HD, kc, ks, slot, nk, g, n_kv, tile, kr);
             for (int hh = 0; hh < group; hh++) {
                 const int h = g * group + hh;
+#if defined(__AVX512F__)
                 v16 qv[C];
                 for (int c = 0; c < C; c++) qv[c] = load_f32(q + h * HD + 16 * c);
                 for (int j0 = 0; j0 < DT_KEYS; j0 += 16) {
@@ -195,6 +189,29 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
                     }
                     store_f32(sc + h * DT_KEYS + j0, reduce16(a));
                 }
+#elif defined(__AVX2__)
+                /* 16 ymm registers: GCC keeps 16-lane vectors of this loop on the stack (every FMA a
+                 * store and a reload), so here it is written in ymm intrinsics, one key at a time */
+                for (int j = 0; j < DT_KEYS; j++) {
+                    float d = 0.f;
+                    if (j < nk) {
+                        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                        for (int e = 0; e < HD; e += 16) {
+                            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * HD + e), _mm256_loadu_ps(kr[j] + e), a0);
+                            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * HD + e + 8), _mm256_loadu_ps(kr[j] + e + 8), a1);
+                        }
+                        d = hsum8(_mm256_add_ps(a0, a1));
+                    }
+                    sc[h * DT_KEYS + j] = d;
+                }
+#else
+                for (int j = 0; j < DT_KEYS; j++) {
+                    v16 a = splat(0.f);
+                    if (j < nk)
+                        for (int c = 0; c < C; c++) a += load_f32(q + h * HD + 16 * c) * load_f32(kr[j] + 16 * c);
+                    sc[h * DT_KEYS + j] = hsum(a);
+                }
+#endif
             }
         }
         for (int h = 0; h < n_heads; h++) {               /* online softmax, 32 keys per head at once */
@@ -219,28 +236,43 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
             prefetch_rows(dt, HD, vc, pslot, np, g, n_kv);
             const float *vr[DT_KEYS];
             head_rows(dt, HD, vc, vs, slot, nk, g, n_kv, tile, vr);
-            for (int h0 = g * group; h0 < (g + 1) * group; h0 += 3) {
-                const int nh = (g + 1) * group - h0 < 3 ? (g + 1) * group - h0 : 3;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+            /* ymm intrinsics, one head and 64 dims (8 accumulators) at a time, as for the scores */
+            for (int h = g * group; h < (g + 1) * group; h++)
+                for (int e0 = 0; e0 < HD; e0 += 64) {
+                    const int ne = HD - e0 < 64 ? (HD - e0) / 8 : 8;
+                    __m256 o[8];
+                    for (int c = 0; c < ne; c++) o[c] = _mm256_loadu_ps(acc + h * HD + e0 + 8 * c);
+                    for (int j = 0; j < nk; j++) {
+                        const __m256 w = _mm256_set1_ps(sc[h * DT_KEYS + j]);
+                        for (int c = 0; c < ne; c++) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr[j] + e0 + 8 * c), o[c]);
+                    }
+                    for (int c = 0; c < ne; c++) _mm256_storeu_ps(acc + h * HD + e0 + 8 * c, o[c]);
+                }
+            continue;
+#endif
+            for (int h0 = g * group; h0 < (g + 1) * group; h0 += PV_HEADS) {
+                const int nh = (g + 1) * group - h0 < PV_HEADS ? (g + 1) * group - h0 : PV_HEADS;
                 v16 o0[C], o1[C], o2[C];
                 for (int c = 0; c < C; c++) {
                     o0[c] = load_f32(acc + h0 * HD + 16 * c);
-                    o1[c] = nh > 1 ? load_f32(acc + (h0 + 1) * HD + 16 * c) : splat(0.f);
-                    o2[c] = nh > 2 ? load_f32(acc + (h0 + 2) * HD + 16 * c) : splat(0.f);
+                    o1[c] = PV_HEADS > 1 && nh > 1 ? load_f32(acc + (h0 + 1) * HD + 16 * c) : splat(0.f);
+                    o2[c] = PV_HEADS > 2 && nh > 2 ? load_f32(acc + (h0 + 2) * HD + 16 * c) : splat(0.f);
                 }
                 for (int j = 0; j < nk; j++) {
-                    const float w0 = sc[h0 * DT_KEYS + j], w1 = nh > 1 ? sc[(h0 + 1) * DT_KEYS + j] : 0.f,
-                                w2 = nh > 2 ? sc[(h0 + 2) * DT_KEYS + j] : 0.f;
+                    const float w0 = sc[h0 * DT_KEYS + j], w1 = PV_HEADS > 1 && nh > 1 ? sc[(h0 + 1) * DT_KEYS + j] : 0.f,
+                                w2 = PV_HEADS > 2 && nh > 2 ? sc[(h0 + 2) * DT_KEYS + j] : 0.f;
                     for (int c = 0; c < C; c++) {
                         const v16 v = load_f32(vr[j] + 16 * c);
                         o0[c] += w0 * v;
-                        o1[c] += w1 * v;
-                        o2[c] += w2 * v;
+                        if (PV_HEADS > 1) o1[c] += w1 * v;
+                        if (PV_HEADS > 2) o2[c] += w2 * v;
                     }
                 }
                 for (int c = 0; c < C; c++) {
                     store_f32(acc + h0 * HD + 16 * c, o0[c]);
-                    if (nh > 1) store_f32(acc + (h0 + 1) * HD + 16 * c, o1[c]);
-                    if (nh > 2) store_f32(acc + (h0 + 2) * HD + 16 * c, o2[c]);
+                    if (PV_HEADS > 1 && nh > 1) store_f32(acc + (h0 + 1) * HD + 16 * c, o1[c]);
+                    if (PV_HEADS > 2 && nh > 2) store_f32(acc + (h0 + 2) * HD + 16 * c, o2[c]);
                 }
             }
         }

@@ -55,6 +55,28 @@ INLINE float hsum(v16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* exp(x) for x <= 0 (scores minus their running max), Cephes-style: 2^n * p(r), |rel err| < 2e-7;
+ * below -87 the result is 0 (and exp(-inf) = 0 for masked keys). */
+INLINE v16 vexp(v16 x) {
+    const v16 lo = splat(-87.f);
+    const v16i dead = x < lo;                                     /* all-ones lanes where x < -87 */
+    x = (v16)(((v16i)x & ~dead) | ((v16i)lo & dead));
+    const v16 fx = x * splat(1.44269504088896341f), t = fx + splat(0.5f);
+    v16 nf = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);   /* trunc toward 0 */
+    nf += __builtin_convertvector((v16i)(nf > t), v16);                         /* -> floor(fx + 0.5) */
+    const v16i n = __builtin_convertvector(nf, v16i);
+    const v16 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.f);
+    const v16 y = p * (v16)((n + 127) << 23);
+    return (v16)((v16i)y & ~dead);
+}
+
 /* 16 bytes widened to 16 int32 lanes, zero- or sign-extended. GCC's __builtin_convertvector turns
  * 8-bit -> 32-bit into scalar code, so the widening uses the ISA's own instructions. */
 #if defined(__AVX512F__)
