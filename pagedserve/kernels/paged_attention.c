@@ -136,14 +136,6 @@ INLINE void head_rows(int dt, int HD, const void *cache, const float *scales, co
     }
 }
 
-#if defined(__AVX2__)
-INLINE float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-#endif
-
 #define DT_KEYS 32      /* decode keys per tile: two vectors of scores per head, one softmax update */
 /* heads of a GQA group that share each V row load: 3 x head_dim / 16 accumulators fit AVX-512's 32
  * registers; on 16-register ISAs they spilled on every key, so one head at a time there */

@@ -440,6 +440,12 @@ INLINE __m256i weight_bytes(int fmt, const uint8_t *row, int j, float *d, float 
 }
 #endif
 
+/* the block's m term for row block b of x: m sum(w's offset) x, i.e. m dx sum(q) (Q6_K: -32 d dx per half) */
+INLINE float m_term(int fmt, q8rows x, int b, float ddx, float mn, const int16_t *sc) {
+    if (fmt == W_Q6_K) return -32.0f * ddx * (float)(sc[0] * x.s16[2 * b] + sc[1] * x.s16[2 * b + 1]);
+    return mn != 0.0f ? mn * x.ds[b] : 0.0f;
+}
+
 /* rows n0..n1 of out = x . W^T with x as int8 blocks; M a compile-time constant as in dot_rows */
 INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
@@ -470,22 +476,12 @@ INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                     p = dot_u8s8(au, sgn ? _mm256_sign_epi8(q, u) : q);
                 float dx = x.d[m * nb + j];
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc[m]);
-                if (fmt == W_Q6_K) {
-                    const int32_t *s = x.s16 + 2 * (m * nb + j);
-                    mins[m] -= 32.0f * d * dx * (float)(sc[0] * s[0] + sc[1] * s[1]);
-                } else if (mn != 0.0f) {
-                    mins[m] += mn * x.ds[m * nb + j];
-                }
+                mins[m] += m_term(fmt, x, m * nb + j, d * dx, mn, sc);
             }
         }
         float s = row_scale(fmt, row);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; m++) {
-            __m128 h = _mm_add_ps(_mm256_extractf128_ps(acc[m], 1), _mm256_castps256_ps128(acc[m]));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            out[(int64_t)m * ldo + n] = s * _mm_cvtss_f32(h) + mins[m];
-        }
+        for (int m = 0; m < M; m++) out[(int64_t)m * ldo + n] = s * hsum8(acc[m]) + mins[m];
 #else
         float acc[MAXM];
         for (int m = 0; m < M; m++) acc[m] = 0.0f, mins[m] = 0.0f;
@@ -501,12 +497,7 @@ INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                 for (int i = 0; i < 32; i++) p += (sgn ? (int8_t)u[i] : (int)u[i]) * q[i] * sc[i >> 4];
                 float dx = x.d[m * nb + j];
                 acc[m] += (float)p * d * dx;
-                if (fmt == W_Q6_K) {
-                    const int32_t *s = x.s16 + 2 * (m * nb + j);
-                    mins[m] -= 32.0f * d * dx * (float)(sc[0] * s[0] + sc[1] * s[1]);
-                } else if (mn != 0.0f) {
-                    mins[m] += mn * x.ds[m * nb + j];
-                }
+                mins[m] += m_term(fmt, x, m * nb + j, d * dx, mn, sc);
             }
         }
         float s = row_scale(fmt, row);

@@ -77,6 +77,15 @@ INLINE v16 vexp(v16 x) {
     return (v16)((v16i)y & ~dead);
 }
 
+#if defined(__AVX2__)
+/* the sum of one ymm's 8 floats */
+INLINE float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 /* 16 bytes widened to 16 int32 lanes, zero- or sign-extended. GCC's __builtin_convertvector turns
  * 8-bit -> 32-bit into scalar code, so the widening uses the ISA's own instructions. */
 #if defined(__AVX512F__)
