@@ -127,7 +127,8 @@ class TPExecutor(Executor):
         try:
             self.tp.broadcast_object(so.for_workers())
         except Exception as e:             # a rank died or hung: the group is gone
-            self._dead = f"tensor parallelism: sending the step failed ({type(e).__name__}: {e}){self._why()}"
+            self._dead = (f"tensor parallelism: sending the step failed ({type(e).__name__}: {e})"
+                          f"{self._why(wait_s=2.0)}")
             raise EngineDeadError(self._dead) from e
         try:
             return self.runner.execute(so)
@@ -135,8 +136,12 @@ class TPExecutor(Executor):
             self._dead = f"{e}{self._why()}"
             raise EngineDeadError(self._dead) from e
 
-    def _why(self) -> str:
-        gone = self._ranks.gone()
+    def _why(self, wait_s: float = 0.0) -> str:
+        """Which rank is gone, and what the ranks reported. wait_s: a failed collective can see a killed
+        rank's closed sockets before its exit is reaped; give it that long to be named."""
+        deadline = time.monotonic() + wait_s
+        while not (gone := self._ranks.gone()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return (f"; {gone}" if gone else "") + self._reports()
 
     def shutdown(self) -> None:

@@ -240,15 +240,14 @@ class LlamaForCausalLM(nn.Module):
     def choose_layer_path(self) -> str:
         """Layers that can (DecoderLayer.native_ok) take the native float32 path between their products,
         unless PAGEDSERVE_LAYER_OPS=torch. Returns the line logged at load."""
-        lib = None
-        if os.environ.get("PAGEDSERVE_LAYER_OPS", "native") != "torch" and any(l.native_ok() for l in self.layers):
-            lib = kernels.load(source="layer_ops")
-        for layer in self.layers:
-            layer.ops = lib if layer.native_ok() else None
-        n = sum(layer.ops is not None for layer in self.layers)
-        why = ("PAGEDSERVE_LAYER_OPS=torch" if os.environ.get("PAGEDSERVE_LAYER_OPS") == "torch" else
-               "no C compiler" if n == 0 and lib is None and any(l.native_ok() for l in self.layers) else
+        forced = os.environ.get("PAGEDSERVE_LAYER_OPS", "native") == "torch"
+        can = [layer.native_ok() for layer in self.layers]
+        lib = None if forced or not any(can) else kernels.load(source="layer_ops")
+        for layer, ok in zip(self.layers, can):
+            layer.ops = lib if ok else None
+        why = ("PAGEDSERVE_LAYER_OPS=torch" if forced else "no C compiler" if any(can) and lib is None else
                "float32 layers without q/k norms, sandwich norms, soft-caps or MoE take it")
+        n = sum(layer.ops is not None for layer in self.layers)
         return f"layer glue: native in {n} of {len(self.layers)} layers ({why})"
 
     @torch.inference_mode()
