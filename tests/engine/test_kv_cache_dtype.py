@@ -51,7 +51,8 @@ def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
     other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
     # packed weights multiply int8-rounded activations (qmatmul_q8) unless float32 was asked for
     assert all(w.int8_act == (quant != "none" and dtype != "float32") for w in _packed(other))
-    assert other.engine.runner.kv_cache.dtype.itemsize == {"int8": 1, "float32": 4}.get(kv, 2)
+    want = {"int8": 1, "float32": 4, "bfloat16": 2}.get(kv, other.engine.model.norm.dtype.itemsize)   # auto: as --dtype
+    assert other.engine.runner.kv_cache.dtype.itemsize == want
     _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv} --quantization {quant}")
 
 
