@@ -310,11 +310,10 @@ typedef struct {
     const int8_t *q;    /* M x K, row stride K */
     const float *d;     /* M x nb: each block's scale */
     const float *ds;    /* M x nb: d * sum(q) of each block (the m term) */
-    const int32_t *s16; /* M x 2nb: sum(q) of each half block (Q6_K's per-16 scales) */
 } q8rows;
 
 /* x (M x K float32) -> int8 blocks of 32 */
-static void quantize_q8(const float *x, int M, int ldx, int K, int8_t *q, float *d, float *ds, int32_t *s16) {
+static void quantize_q8(const float *x, int M, int ldx, int K, int8_t *q, float *d, float *ds) {
     const int nb = K / 32;
     for (int m = 0; m < M; m++)
         for (int j = 0; j < nb; j++) {
@@ -334,7 +333,7 @@ static void quantize_q8(const float *x, int M, int ldx, int K, int8_t *q, float 
             const __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
             __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
             __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
-            /* the two halves' sums, for the m terms */
+            /* the block's sum (two halves), for the m terms */
             __m256i lo = _mm256_add_epi32(i0, i1), hi = _mm256_add_epi32(i2, i3);
             __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
             __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
@@ -357,7 +356,6 @@ static void quantize_q8(const float *x, int M, int ldx, int K, int8_t *q, float 
 #endif
             d[m * nb + j] = dd;
             ds[m * nb + j] = dd * (float)(a + b);
-            s16[2 * (m * nb + j)] = a, s16[2 * (m * nb + j) + 1] = b;
         }
 }
 
@@ -388,7 +386,7 @@ INLINE void weight_block(int fmt, const uint8_t *row, int j, uint8_t *u, float *
         for (int i = 0; i < 32; i++) u[i] = ((ql[i] >> ((t >> 1) * 4)) & 15) | (((qh[i] >> (2 * t)) & 3) << 4);
         const int8_t *s8 = (const int8_t *)(b + 192) + 8 * h + 2 * t;
         sc[0] = s8[0], sc[1] = s8[1];
-        *d = f16(b + 208), *mn = 0.0f;      /* the -32 terms use the per-16 sums, see q8_rows */
+        *d = f16(b + 208), *mn = 0.0f;      /* the -32 is taken in the integers, see q8_rows */
     }
 }
 
@@ -440,11 +438,8 @@ INLINE __m256i weight_bytes(int fmt, const uint8_t *row, int j, float *d, float 
 }
 #endif
 
-/* the block's m term for row block b of x: m sum(w's offset) x, i.e. m dx sum(q) (Q6_K: -32 d dx per half) */
-INLINE float m_term(int fmt, q8rows x, int b, float ddx, float mn, const int16_t *sc) {
-    if (fmt == W_Q6_K) return -32.0f * ddx * (float)(sc[0] * x.s16[2 * b] + sc[1] * x.s16[2 * b + 1]);
-    return mn != 0.0f ? mn * x.ds[b] : 0.0f;
-}
+/* the block's m term for row block b of x: m dx sum(q) (Q6_K's -32 offset is taken in the integers) */
+INLINE float m_term(q8rows x, int b, float mn) { return mn != 0.0f ? mn * x.ds[b] : 0.0f; }
 
 /* rows n0..n1 of out = x . W^T with x as int8 blocks; M a compile-time constant as in dot_rows */
 INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
@@ -470,13 +465,14 @@ INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
             for (int m = 0; m < M; m++) {
                 __m256i q = _mm256_loadu_si256((const __m256i *)(x.q + (int64_t)m * K + 32 * j));
                 __m256i p;
-                if (fmt == W_Q6_K)
-                    p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, q), sc16);
+                if (fmt == W_Q6_K)      /* sum((u - 32) q) per pair in int16, exact: no float cancellation */
+                    p = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(au, q),
+                                                           _mm256_maddubs_epi16(_mm256_set1_epi8(32), q)), sc16);
                 else
                     p = dot_u8s8(au, sgn ? _mm256_sign_epi8(q, u) : q);
                 float dx = x.d[m * nb + j];
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc[m]);
-                mins[m] += m_term(fmt, x, m * nb + j, d * dx, mn, sc);
+                mins[m] += m_term(x, m * nb + j, mn);
             }
         }
         float s = row_scale(fmt, row);
@@ -494,10 +490,11 @@ INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
             for (int m = 0; m < M; m++) {
                 const int8_t *q = x.q + (int64_t)m * K + 32 * j;
                 int32_t p = 0;
-                for (int i = 0; i < 32; i++) p += (sgn ? (int8_t)u[i] : (int)u[i]) * q[i] * sc[i >> 4];
+                for (int i = 0; i < 32; i++)
+                    p += (sgn ? (int8_t)u[i] : fmt == W_Q6_K ? (int)u[i] - 32 : (int)u[i]) * q[i] * sc[i >> 4];
                 float dx = x.d[m * nb + j];
                 acc[m] += (float)p * d * dx;
-                mins[m] += m_term(fmt, x, m * nb + j, d * dx, mn, sc);
+                mins[m] += m_term(x, m * nb + j, mn);
             }
         }
         float s = row_scale(fmt, row);
@@ -534,17 +531,16 @@ static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, 
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
                 float *out, int ldo) {
     const int chunk = 16, items = (N + chunk - 1) / chunk, nb = K / 32;
-    int8_t *q = malloc((size_t)M * K + sizeof(float) * 2 * (size_t)M * nb + sizeof(int32_t) * 2 * (size_t)M * nb);
+    int8_t *q = malloc((size_t)M * K + sizeof(float) * 2 * (size_t)M * nb);
     if (!q) return;
     float *d = (float *)(q + (size_t)M * K), *ds = d + (size_t)M * nb;   /* K is a multiple of 32: aligned */
-    int32_t *s16 = (int32_t *)(ds + (size_t)M * nb);
-    quantize_q8(x, M, ldx, K, q, d, ds, s16);
+    quantize_q8(x, M, ldx, K, q, d, ds);
     q8_fn f = Q8[fmt];
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int it = 0; it < items; it++) {
         int n0 = it * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int m0 = 0; m0 < M; m0 += MAXM) {
-            q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb, s16 + 2 * (int64_t)m0 * nb};
+            q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb};
             f(M - m0 < MAXM ? M - m0 : MAXM, xr, K, w, row_bytes, out + (int64_t)m0 * ldo, ldo, n0, n1);
         }
     }

@@ -103,7 +103,8 @@ def test_int8_activation_kernel_is_the_q8_rounded_product(level, fmt, m):
         w = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
     else:
         w = PackedWeight(fmt, torch.from_numpy(random_blocks(fmt, n, k, seed=m)), k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, k)[torch.randperm(k)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=g)]
     x[0, :64] = 0.0                                  # all-zero blocks: scale 0, no NaN
     dense = w.dequantize().double()
     ref = F.linear(quant.q8_round(x).double(), dense)
