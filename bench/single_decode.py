@@ -5,7 +5,7 @@ through llama-cpp-python (the bench-only extra, `make bench-llamacpp`) and throu
 /completion), in one run (ratios: the machine is shared). Each engine runs in its own process so its
 RSS is its own.
 
-Usage: python bench/single_decode.py [--tokens 128] [--repeats 3] [--paths float32:none,bfloat16:gguf,...]
+Usage: python bench/single_decode.py [--tokens 128] [--repeats 3] [--paths auto:auto,float32:none,...]
            [--llama-server build/llama.cpp/bin/llama-server] [--no-llamacpp]
 """
 import argparse
@@ -152,7 +152,7 @@ def run_llama_server(binary: str, tokens: int, repeats: int) -> dict:
 def default_paths() -> list[str]:
     from pagedserve.host import bf16_flags
     dtypes = ["float32"] + (["bfloat16"] if bf16_flags() else [])
-    return [f"{d}:{q}" for q in ("none", "gguf", "int8") for d in dtypes]
+    return ["auto:auto", "auto:gguf"] + [f"{d}:{q}" for q in ("none", "gguf", "int8") for d in dtypes]
 
 
 def main():

@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: one pagedserve run each")
-    ap.add_argument("--paths", default="auto:none", help="comma-separated dtype:quantization, one run each")
+    ap.add_argument("--paths", default="auto:auto", help="comma-separated dtype:quantization, one run each")
     ap.add_argument("--baselines", default="hf_cb.py,hf_static.py", help="comma-separated shared drivers")
     ap.add_argument("--baseline-dtypes", default="float32", help="comma-separated: each baseline once per dtype")
     a = ap.parse_args()

@@ -19,9 +19,11 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_h(
         "float32 | bfloat16 | float16 | auto (bfloat16 where the CPU multiplies it natively: AMX-BF16 or "
         "AVX512-BF16; float32 on other CPUs; bfloat16 on GPU). Norms, softmax, logits and sampling stay float32"))
-    quantization: str = field(default="none", metadata=_h(
-        "none | gguf (keep a GGUF file's quantized matrices packed and multiply them directly) | int8 (quantize "
-        "every matrix per output channel at load)"))
+    quantization: str = field(default="auto", metadata=_h(
+        "auto (a GGUF file's quantized matrices packed for few-row steps beside a dense copy for many-row ones, "
+        "on one CPU rank unless --dtype float32; dense otherwise; logged with its reason) | none (dense in "
+        "--dtype) | gguf (keep only the packed matrices: the least memory) | int8 (quantize every matrix per "
+        "output channel at load)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
@@ -64,7 +66,7 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
                 or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "must be a positive integer")
-        if self.tensor_parallel_size > 1 and self.quantization != "none":
+        if self.tensor_parallel_size > 1 and self.quantization not in ("none", "auto"):
             bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
                                         "sharded)")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
@@ -79,7 +81,7 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
-                   "quantization": ("none", "gguf", "int8"),
+                   "quantization": ("auto", "none", "gguf", "int8"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static"),
                    "distributed_executor_backend": ("mp", "ray", "external_launcher")}

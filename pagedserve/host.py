@@ -42,3 +42,16 @@ def describe() -> str:
     """One line naming the host for benchmark outputs: model, cores, vector and matrix flags."""
     name, flags = cpu_info()
     return f"{name}; {os.cpu_count()} cores; " + " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping); free pages where it is
+    missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

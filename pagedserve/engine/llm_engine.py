@@ -18,12 +18,12 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
-from pagedserve.host import auto_dtype
+from pagedserve.host import auto_dtype, available_memory_bytes
 from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.model.loader import load_model, read_model_config, resolve_model
-from pagedserve.model.quant import int8_activations, weight_bytes
+from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer
@@ -62,10 +62,14 @@ class LLMEngine:
     def _build(self, dtype: torch.dtype) -> None:
         """Load this rank's model, plan memory, build the cache manager, the scheduler and the runners."""
         args, tp = self.args, self.executor.tp
-        int8_act, why = int8_activations(args.dtype, args.quantization)
-        if args.quantization != "none":
+        self.quantization, dense_copy, why = choose_quantization(args.quantization, self.source.kind, args.dtype,
+                                                                 args.device, tp.size)
+        log.info("quantization %s (%s)", self.quantization, why)
+        int8_act, why = int8_activations(args.dtype, self.quantization)
+        if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
-        self.model, self.model_config = load_model(self.source, dtype, args.device, args.quantization, tp, int8_act)
+        self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
+                                                   dense_copy)
         self.tokenizer = load_tokenizer(self.source)
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
@@ -285,14 +289,7 @@ def _owner_id(req: Request) -> str:
 def _free_memory_bytes(device: str) -> int:
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available_memory_bytes()
 
 
 def window_plan(cfg, bytes_per_token: int) -> str:

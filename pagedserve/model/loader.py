@@ -24,7 +24,7 @@ from pagedserve.model import hub
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
+from pagedserve.model.quant import (FORMATS, add_dense_copies, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
                                     describe, quantize_int8)
 
 log = logging.getLogger("pagedserve")
@@ -92,13 +92,15 @@ _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
                quantization: str = "none", tp: TPGroup | None = None,
-               int8_act: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+               int8_act: bool = False, dense_copy: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
-    process share one loaded copy per (file, dtype, device, quantization, int8_act).
+    process share one loaded copy per (file, dtype, device, quantization, int8_act, dense_copy).
     quantization: none (dense in `dtype`) | gguf (the file's quantized tensors stay packed) | int8
     (every linear weight quantized per output channel at load).
     int8_act: few-row products with packed weights round their activations to int8 blocks
     (pagedserve.model.quant.int8_activations decides it from the --dtype asked for).
+    dense_copy: packed weights also keep a dense copy in `dtype` for many-row products, where it fits
+    (--quantization auto: pagedserve.model.quant.choose_quantization).
     tp: this rank's tensor-parallel group; the model is built with this rank's slices only (never
     shared: it holds the group's collectives)."""
     if quantization not in QUANTIZATIONS:
@@ -114,9 +116,9 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {src.path} is an HF "
                          "folder; use quantization int8 or none")
     st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy)
     if key not in _LOADED:
-        _LOADED[key] = _load_model(src, dtype, device, quantization, int8_act=int8_act)
+        _LOADED[key] = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy)
     model, cfg = _LOADED[key]
     return model, copy.copy(cfg)
 
@@ -131,7 +133,8 @@ def cache_dir(path: str, kind: str) -> str:
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
-                tp: TPGroup | None = None, int8_act: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+                tp: TPGroup | None = None, int8_act: bool = False,
+                dense_copy: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     if quantization == "gguf":
         cfg, weights = _read_gguf(src.path, dtype, packed=True)
     else:
@@ -155,6 +158,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
             setattr(owner, child, packed)
     model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, PackedWeight)}, assign=True, strict=True)
     model = model.to(device).eval()
+    if dense_copy:
+        log.info("%s", add_dense_copies(model, dtype))
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     log.info("%s", model.choose_gemm_form(int8_act))
     log.info("%s", model.choose_layer_path())

@@ -1,4 +1,4 @@
-"""Weights kept quantized in memory (`--quantization gguf | int8`) and multiplied in that form.
+"""Weights kept quantized in memory (`--quantization auto | gguf | int8`) and multiplied in that form.
 
 A PackedWeight is N rows (output channels) of K inputs, each row a run of quantized blocks:
 the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, read as they lie in the file) or our
@@ -6,6 +6,12 @@ per-channel int8 (`quantize_int8`, one float32 scale per row). pagedserve/kernel
 multiplies few-row batches straight from the blocks (decode: the weight bytes are the cost, and
 Q4_1 is ~5 bits a weight against 32); batches of more rows than the measured crossover are
 dequantized into the compute dtype and handed to torch's GEMM (AMX / AVX512-BF16 where present).
+
+`--quantization auto` (the default) keeps a GGUF file's blocks packed for the few-row products, beside
+a dense copy in the compute dtype for the many-row ones (`PackedWeight.dense`, where it fits in memory;
+`choose_quantization` says when and why): each step takes the faster of the two at its row count, as
+measured at load. `--quantization gguf` keeps only the blocks (1/5 of the memory; many-row products
+dequantize a tile at a time).
 
 Few-row products round the activations to int8 per 32 values (GGUF's Q8 blocks, as llama.cpp does)
 and multiply in integers (`qmatmul_q8`: VNNI's vpdpbusd, AVX2's vpmaddubsw) unless `--dtype float32`
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.host import available_memory_bytes
 from pagedserve.model.gemm import gemm, padded
 
 # format -> (kernel code, weights per block, bytes per block)
@@ -30,7 +37,8 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     "I8": (0, 1, 1), "Q8_0": (1, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
     "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210),
 }
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
+DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
 SMALL_M_MAX = 64          # the crossover is searched up to here; above it the dequantize path always wins
 
@@ -42,6 +50,7 @@ class PackedWeight:
     K: int                      # inputs per row
     small_m: int = 8            # rows of x up to which qmatmul beats dequantize + GEMM (measured at load)
     int8_act: bool = False      # few-row products round x to int8 blocks (set at load: int8_activations)
+    dense: torch.Tensor | None = None   # (N, K) in the compute dtype for many-row products (--quantization auto)
 
     def __post_init__(self) -> None:
         _, per_block, block_bytes = FORMATS[self.fmt]
@@ -58,7 +67,8 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        """The packed bytes and the dense copy's, if any."""
+        return self.data.numel() + (0 if self.dense is None else self.dense.numel() * self.dense.element_size())
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,12 +90,18 @@ class PackedWeight:
                         int(out.dtype == torch.bfloat16))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (M, K) @ W.T -> (M, N) in x's dtype."""
+        """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or
+        dequantized tiles above."""
         if x.shape[0] > self.small_m:
-            return self._dense_matmul(x, bias)
+            return self._many_rows(x, bias)
         y = self._qmatmul(x, self.int8_act)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if bias is None else y + bias
+
+    def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense is not None:
+            return gemm(x if x.dtype == self.dense.dtype else x.to(self.dense.dtype), self.dense, bias)
+        return self._dense_matmul(x, bias)
 
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile, at
@@ -119,7 +135,31 @@ class PackedWeight:
         return out
 
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
-        return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act)
+        return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
+                            None if self.dense is None else self.dense[perm])
+
+
+def choose_quantization(asked: str, source_kind: str, dtype_asked: str, device: str,
+                        tp_size: int) -> tuple[str, bool, str]:
+    """What `--quantization` builds ("none" | "gguf" | "int8"), whether packed weights get a dense copy
+    for many-row products, and why (logged at load). `auto` keeps a
+    GGUF file's blocks packed for the few-row products (beside a dense copy: see the module doc) on
+    one CPU rank; it is dense (none) for an HF folder (its weights are not quantized: `int8` would
+    change them), for `--dtype float32` (the exact path: what HF computes, batch-invariant), on CUDA
+    (the packed kernels are CPU code) and under tensor parallelism (packed weights are not sharded)."""
+    if asked != "auto":
+        return asked, False, f"--quantization {asked}"
+    if device != "cpu":
+        return "none", False, f"auto: dense on {device} (the packed kernels run on CPUs)"
+    if tp_size > 1:
+        return "none", False, "auto: dense under tensor parallelism (packed weights are not sharded)"
+    if source_kind != "gguf":
+        return "none", False, "auto: dense (an HF folder's weights are not quantized; --quantization int8 would round them)"
+    if dtype_asked == "float32":
+        return "none", False, "auto: dense for --dtype float32 (the exact path: HF's arithmetic, batch-invariant)"
+    if kernels.load(source="qmatmul") is None:
+        return "none", False, "auto: dense (the native qmatmul kernels could not be built)"
+    return "gguf", True, "auto: the GGUF file's blocks packed for few-row products, a dense copy for many-row ones"
 
 
 def int8_activations(dtype_asked: str, quantization: str) -> tuple[bool, str]:
@@ -185,14 +225,16 @@ def _lib():
 
 @torch.inference_mode()
 def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
-    """The largest batch (rows of x) for which qmatmul on `w` is faster than dequantize + F.linear in
-    `dtype`, on this host, measured at 1, 2, 4, ... SMALL_M_MAX rows. Returns it and a line to log."""
+    """The largest batch (rows of x) for which qmatmul on `w` is faster than the many-row path (the
+    dense copy's GEMM, or dequantize + F.linear) in `dtype`, on this host, measured at 1, 2, 4, ...
+    SMALL_M_MAX rows. Returns it and a line to log. With a dense copy it may be 0 (dense at every
+    row count); without one it is at least 1."""
     times = {}
     m, best = 1, 0
     while m <= SMALL_M_MAX:
         x = torch.randn(m, w.K).to(dtype)
         t = []
-        for run in (lambda: w._qmatmul(x, w.int8_act), lambda: w._dense_matmul(x, None)):
+        for run in (lambda: w._qmatmul(x, w.int8_act), lambda: w._many_rows(x, None)):
             run()
             best_s = float("inf")
             for _ in range(3):             # the fastest of 3: a busy neighbour only ever adds time
@@ -208,7 +250,10 @@ def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
         m *= 2
     shown = ", ".join(f"{m}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for m, (a, b) in times.items())
     kernel = f"qmatmul_q8 ({_lib().qmatmul_q8_isa().decode()})" if w.int8_act else "qmatmul"
-    return max(best, 1), f"packed up to {max(best, 1)} rows ({kernel}/dequantize+GEMM at {shown})"
+    other = "dense copy GEMM" if w.dense is not None else "dequantize+GEMM"
+    best = best if w.dense is not None else max(best, 1)
+    head = f"packed up to {best} rows" if best else "dense at every row count"
+    return best, f"{head} ({kernel}/{other} at {shown})"
 
 
 class PackedLinear(nn.Module):
@@ -229,19 +274,51 @@ class PackedEmbedding(nn.Module):
         self.weight, self.dtype = weight, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dense is not None:
+            return F.embedding(ids, self.weight.dense).to(self.dtype)
         return self.weight.dequantize(self.dtype, rows=ids)
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight, packed or dense."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dense + sum(m.weight.nbytes for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding)))
+    return dense + sum(w.nbytes for w in packed_weights(model))
+
+
+def packed_weights(model: nn.Module) -> list[PackedWeight]:
+    """Every PackedWeight of the model, each once (a tied LM head is the embedding's)."""
+    seen: dict[int, PackedWeight] = {}
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, PackedEmbedding)):
+            seen.setdefault(id(m.weight), m.weight)
+    return list(seen.values())
+
+
+def add_dense_copies(model: nn.Module, dtype: torch.dtype, free_bytes: int | None = None) -> str:
+    """Give every packed weight a dense copy in `dtype` for its many-row products, when all of them
+    take at most DENSE_COPY_SHARE of the free memory; without them many-row products dequantize a
+    tile at a time (slower: measured in BENCHMARKS.md). Returns the line logged at load."""
+    ws = packed_weights(model)
+    need = sum(w.shape[0] * w.K for w in ws) * dtype.itemsize
+    free = available_memory_bytes() if free_bytes is None else free_bytes
+    if not ws:
+        return "dense copies: none needed (no packed weights)"
+    if need > DENSE_COPY_SHARE * free:
+        return (f"dense copies: skipped ({need / 2**20:.0f} MiB would exceed {DENSE_COPY_SHARE:.0%} of "
+                f"{free / 2**20:.0f} MiB free): many-row products dequantize tiles")
+    for w in ws:
+        w.dense = w.dequantize(dtype)
+    return f"dense copies: {len(ws)} weights, {need / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')} " \
+           "for many-row products"
 
 
 def describe(model: nn.Module) -> str:
-    """e.g. 'packed Q4_1 x 210, Q8_0 x 1' for the memory-plan line."""
+    """e.g. 'packed Q4_1 x 210, Q8_0 x 1' for the memory-plan line (' + dense copies' with them)."""
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             counts[m.weight.fmt] = counts.get(m.weight.fmt, 0) + 1
-    return "packed " + ", ".join(f"{k} x {v}" for k, v in sorted(counts.items())) if counts else "dense"
+    if not counts:
+        return "dense"
+    copies = " + dense copies" if any(w.dense is not None for w in packed_weights(model)) else ""
+    return "packed " + ", ".join(f"{k} x {v}" for k, v in sorted(counts.items())) + copies

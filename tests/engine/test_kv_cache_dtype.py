@@ -24,7 +24,8 @@ def _greedy(llm):
 
 def _packed(llm):
     from pagedserve.model.quant import PackedLinear
-    return [m.weight for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+    eng = getattr(llm, "engine", llm)
+    return [m.weight for m in eng.model.modules() if isinstance(m, PackedLinear)]
 
 
 def _assert_logprobs_close(ref, other, name):
@@ -46,7 +47,7 @@ def fp32_greedy(llm):
 @pytest.mark.parametrize("dtype,kv,quant", [("float32", "bfloat16", "none"), ("float32", "int8", "none"),
                                             ("bfloat16", "auto", "none"), ("float32", "float32", "int8"),
                                             ("bfloat16", "auto", "int8"), ("bfloat16", "auto", "gguf"),
-                                            ("auto", "auto", "gguf")])
+                                            ("auto", "auto", "gguf"), ("auto", "auto", "auto")])
 def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
     other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
     # packed weights multiply int8-rounded activations (qmatmul_q8) unless float32 was asked for
@@ -76,6 +77,21 @@ def test_chosen_path_is_logged(caplog):
     assert eng.weights_bytes < 0.3 * 4 * 134e6     # int8 + scales vs 134M float32 weights
 
 
+def test_default_flags_keep_the_file_packed_beside_a_dense_copy(caplog):
+    """--quantization auto (the default) on the bundled Q4_1 file: packed blocks for few-row steps and a
+    dense copy for many-row ones, logged with the reason; --dtype float32 stays dense (the exact path)."""
+    with caplog.at_level("INFO", logger="pagedserve"):
+        eng = LLM(num_kv_blocks=64).engine
+    assert eng.quantization == "gguf" and "quantization gguf (auto: the GGUF file's blocks packed" in caplog.text
+    assert eng.model.weights_desc.endswith("+ dense copies")      # (the load itself may be cached: no log line)
+    packed = _packed(eng)
+    assert packed and all(w.dense is not None and w.int8_act for w in packed)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagedserve"):
+        eng = LLM(num_kv_blocks=64, dtype="float32").engine
+    assert eng.quantization == "none" and "auto: dense for --dtype float32" in caplog.text and not _packed(eng)
+
+
 def test_same_memory_admits_more_tokens():
     """Bytes per token: 2 x layers x kv heads x (head_dim x dtype bytes + a float32 scale for int8)."""
     blocks = {}
@@ -93,11 +109,11 @@ def test_same_memory_admits_more_tokens():
 
 def test_int8_scales_travel_with_swapped_blocks():
     """Swap preemption moves K/V and their scales to host memory and back: greedy output equals an
-    unpressured run's."""
+    unpressured run's (in float32 weights: the batch-invariant path, as batches differ between the two)."""
     prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1040 + 40 * i))} for i in range(6)]
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    roomy = LLM(num_kv_blocks=512, kv_cache_dtype="int8").generate(prompts, sp, use_tqdm=False)
-    tight = LLM(num_kv_blocks=24, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05)
+    roomy = LLM(num_kv_blocks=512, kv_cache_dtype="int8", dtype="float32").generate(prompts, sp, use_tqdm=False)
+    tight = LLM(num_kv_blocks=24, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05, dtype="float32")
     got = tight.generate(prompts, sp, use_tqdm=False)
     assert tight.engine.counters.preemptions > 0, "the pool was meant to be too small"
     assert tight.engine.runner.host_scales.abs().sum() > 0, "preemptions were meant to swap, not recompute"

@@ -6,7 +6,7 @@ LENS = [3, 9, 5, 12, 2, 7]
 
 
 def _run(**kw):
-    llm = LLM(num_kv_blocks=200, **kw)
+    llm = LLM(num_kv_blocks=200, dtype="float32", **kw)     # the batch-invariant path: the policies batch differently
     eng = llm.engine
     for i, (p, n) in enumerate(zip(PROMPTS, LENS)):
         eng.add_request(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True))

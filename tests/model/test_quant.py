@@ -1,6 +1,8 @@
 """Packed weights (--quantization gguf | int8): every kernel code path this host runs (each ISA level x
 each block format x batches that take the in-register path, the chunked one and the dequantize +
 GEMM one) against gguf's own dequantizer and torch's fp32 F.linear."""
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -150,3 +152,66 @@ def test_few_row_products_follow_int8_act(level, dtype, int8_act):
     if dtype == torch.float32:                               # and the two differ: the test can tell them apart
         other = F.linear((x.float() if int8_act else quant.q8_round(x)).double(), w.dequantize().double())
         assert (got - other).abs().max() > 1e-4 * ref.abs().max()
+
+
+def test_auto_quantization_rule():
+    """--quantization auto: packed (with a dense copy) only for a GGUF file on one CPU rank without
+    --dtype float32; dense otherwise; an explicit choice is kept as asked."""
+    choose = quant.choose_quantization
+    assert choose("auto", "gguf", "auto", "cpu", 1)[:2] == ("gguf", True)
+    assert choose("auto", "gguf", "bfloat16", "cpu", 1)[:2] == ("gguf", True)
+    for args, why in ((("gguf", "float32", "cpu", 1), "--dtype float32"), (("hf", "auto", "cpu", 1), "HF folder"),
+                      (("gguf", "auto", "cuda", 1), "cuda"), (("gguf", "auto", "cpu", 2), "tensor parallelism")):
+        q, copy, line = choose("auto", *args)
+        assert (q, copy) == ("none", False) and why in line
+    for asked in ("none", "gguf", "int8"):
+        assert choose(asked, "gguf", "auto", "cpu", 1) == (asked, False, f"--quantization {asked}")
+
+
+def _q41(n=64, k=256, seed=0):
+    return PackedWeight("Q4_1", torch.from_numpy(random_blocks("Q4_1", n, k, seed)), k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_serves_the_many_row_products(dtype):
+    """With a dense copy, rows above small_m are F.linear on the copy (not dequantized tiles), rows up
+    to it the packed kernel; small_m 0 means dense at every row count."""
+    w = _q41()
+    w.int8_act, w.small_m = True, 4
+    w.dense = w.dequantize(dtype)
+    x = torch.randn(9, w.K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    torch.testing.assert_close(w.matmul(x), F.linear(x, w.dense), rtol=0, atol=0)
+    torch.testing.assert_close(w.matmul(x[:4]), w._qmatmul(x[:4], True).to(dtype), rtol=0, atol=0)
+    w.small_m = 0
+    torch.testing.assert_close(w.matmul(x[:1]), F.linear(x[:1], w.dense), rtol=0, atol=0)
+    assert w.nbytes == w.data.numel() + w.dense.numel() * dtype.itemsize
+
+
+def test_crossover_against_a_dense_copy_may_be_zero(monkeypatch):
+    """Measured against the dense copy, the crossover may say dense at every row count; without one
+    it is at least 1 (the tile path is never faster at one row)."""
+    w = _q41(256, 576)
+    w.dense = w.dequantize()
+    def slow_kernel(self, x, int8_act=False):          # a packed kernel slower than any GEMM here
+        time.sleep(0.05)
+        return torch.zeros(x.shape[0], self.shape[0])
+    monkeypatch.setattr(PackedWeight, "_qmatmul", slow_kernel)
+    m, line = quant.measure_crossover(w, torch.float32)
+    assert m == 0 and line.startswith("dense at every row count (") and "dense copy GEMM" in line
+    w.dense = None
+    m, line = quant.measure_crossover(w, torch.float32)
+    assert m == 1 and "dequantize+GEMM" in line
+
+
+def test_dense_copies_are_skipped_when_memory_is_short():
+    from pagedserve.model.quant import PackedEmbedding, PackedLinear, add_dense_copies, describe
+    w, e = _q41(), _q41(32, 256, 1)
+    model = torch.nn.ModuleDict({"a": PackedLinear(w), "b": PackedLinear(w), "emb": PackedEmbedding(e, torch.float32)})
+    need = (64 + 32) * 256 * 4
+    line = add_dense_copies(model, torch.float32, free_bytes=need)          # more than half of free: skipped
+    assert line.startswith("dense copies: skipped") and w.dense is None and "dense copies" not in describe(model)
+    line = add_dense_copies(model, torch.float32, free_bytes=4 * need)
+    assert line.startswith("dense copies: 2 weights") and w.dense is not None and e.dense is not None
+    assert describe(model) == "packed Q4_1 x 3 + dense copies"
+    ids = torch.tensor([0, 31, 5])                                           # lookups read the copy: same rows
+    torch.testing.assert_close(model["emb"](ids), e.dequantize(rows=ids), rtol=0, atol=0)
