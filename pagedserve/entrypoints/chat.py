@@ -38,6 +38,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         ids = await asyncio.to_thread(apply_chat_template, st.engine.tokenizer, msgs, body.add_generation_prompt,
                                       tools=tool_calls.template_tools(body, mode), chat_template=st.chat_template,
                                       continue_final_message=body.continue_final_message,
+                                      **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}),
                                       **(body.chat_template_kwargs or {}))
     except (ValueError, TypeError) as e:
         raise RequestError("messages", str(e)) from None

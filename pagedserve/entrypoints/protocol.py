@@ -167,9 +167,77 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field (Open WebUI sends it when set): given to the chat template, as vLLM does
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+class ResponsesTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Body):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None          # accepted and ignored
+
+
+class ResponsesFunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesReasoning(_Body):
+    effort: str | None = None             # accepted and ignored: the model decides how long it thinks
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses: OpenAI's fields, and vLLM's sampling extensions (top_k, min_p, seed, stop,
+    repetition_penalty, priority). `input` items are checked by the route (400 naming the item)."""
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    reasoning: ResponsesReasoning | None = None
+    background: bool = False
+    truncation: str | None = None
+    include: list[str] | None = None      # accepted and ignored (no logprobs / encrypted reasoning to include)
+    # accepted and ignored (IGNORED_FIELDS)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 def structured_outputs(req: _Common) -> StructuredOutputsParams | None:

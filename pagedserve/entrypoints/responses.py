@@ -177,16 +177,17 @@ class EngineStreamResponse(StreamingResponse):
                 s.abort()
 
 
-def sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict], streams: list[RequestStream], event_lines: bool = False) -> StreamingResponse:
     """`chunks` may end with a RequestError (it becomes the `error` event); an engine that dies
-    mid-stream does the same."""
+    mid-stream does the same. event_lines: each event also names its `type` in an `event:` line (the
+    Responses API's stream)."""
     async def body():
         try:
             async for obj in chunks:
                 if isinstance(obj, RequestError):
                     yield f"data: {json.dumps(error_body(obj.status, obj.message, obj.param, obj.type))}\n\n"
                     break
-                yield f"data: {json.dumps(obj)}\n\n"
+                yield (f"event: {obj['type']}\n" if event_lines else "") + f"data: {json.dumps(obj)}\n\n"
         except EngineDeadError as e:
             yield f"data: {json.dumps(error_body(500, f'the engine is dead: {e}', None, 'engine_dead'))}\n\n"
         yield "data: [DONE]\n\n"

@@ -1,5 +1,6 @@
 """The server's routes, one module-level function each: the service routes and the tokenizer
-endpoints here; /v1/completions in `completions.py`, /v1/chat/completions in `chat.py`. A request is
+endpoints here; /v1/completions in `completions.py`, /v1/chat/completions in `chat.py`, /v1/responses
+in `responses_api.py`. A request is
 validated (400 naming the field), submitted to the AsyncLLMEngine, and answered from its
 RequestStream (`responses.py`): whole, or as SSE chunks."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from pagedserve.entrypoints import chat, completions
+from pagedserve.entrypoints import chat, completions, responses_api
 from pagedserve.entrypoints.protocol import DetokenizeRequest, TokenizeRequest, message_dict
 from pagedserve.entrypoints.responses import state as _state
 from pagedserve.entrypoints.server import RequestError, error_response
@@ -18,6 +19,7 @@ from pagedserve.tokenizer import apply_chat_template
 router = APIRouter()
 router.include_router(completions.router)
 router.include_router(chat.router)
+router.include_router(responses_api.router)
 
 
 # ---------------------------------------------------------------- service routes
@@ -65,6 +67,8 @@ async def debug_scheduler(http: Request):
                    "max_model_len": sch.cfg.max_model_len},
         # entries of every request-keyed structure: all 0 once nothing runs or waits (a soak checks it)
         "held": {**st.aengine.held(), **st.metrics.held()},
+        # bounded stores that outlive their requests (their bounds are named where they are defined)
+        "stored": {"responses": 0 if st.responses is None else len(st.responses)},
     }
 
 

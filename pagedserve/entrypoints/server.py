@@ -55,6 +55,7 @@ class ServerState:
     tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     reasoning_parser: str | None = None   # --reasoning-parser: <think>...</think> -> reasoning_content
     recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
+    responses: object = None              # /v1/responses' bounded ResponseStore (made on first use)
 
 
 class Guard:
