@@ -71,26 +71,36 @@ class StructuredOutputsBody(_Body):
     grammar: str | None = None
 
 
-class _Common(_Body):
+class _Sampling(_Body):
+    """The fields every generating route takes (chat, completions, responses)."""
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = None
-    n: int = Field(1, ge=1, le=INT32_MAX)          # at most max_num_seqs: checked against the engine
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    # accepted and ignored (IGNORED_FIELDS)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+
+class _Common(_Sampling):
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=INT32_MAX)          # at most max_num_seqs: checked against the engine
+    stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None      # token id (as a string, JSON keys are) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
@@ -99,13 +109,7 @@ class _Common(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # accepted and ignored (IGNORED_FIELDS)
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    store: bool | None = None                                 # accepted and ignored (IGNORED_FIELDS)
 
 
 class CompletionRequest(_Common):
@@ -187,17 +191,13 @@ class ResponsesText(_Body):
     verbosity: str | None = None          # accepted and ignored
 
 
-class ResponsesFunctionTool(_Body):
+class ResponsesFunctionTool(FunctionDefinition):
+    """The Responses API's tools are flat: chat's function definition with the type beside it."""
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class ResponsesToolChoice(_Body):
+class ResponsesToolChoice(NamedFunction):
     type: Literal["function"]
-    name: str
 
 
 class ResponsesReasoning(_Body):
@@ -206,38 +206,23 @@ class ResponsesReasoning(_Body):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Sampling):
     """POST /v1/responses: OpenAI's fields, and vLLM's sampling extensions (top_k, min_p, seed, stop,
     repetition_penalty, priority). `input` items are checked by the route (400 naming the item)."""
-    model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = None
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
-    min_p: float | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
-    repetition_penalty: float | None = None
-    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
     parallel_tool_calls: bool = True
     text: ResponsesText | None = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: bool = True                    # kept for previous_response_id and GET unless false
     stream: bool = False
     reasoning: ResponsesReasoning | None = None
     background: bool = False
     truncation: str | None = None
     include: list[str] | None = None      # accepted and ignored (no logprobs / encrypted reasoning to include)
-    # accepted and ignored (IGNORED_FIELDS)
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
 
 
 def structured_outputs(req: _Common) -> StructuredOutputsParams | None:
