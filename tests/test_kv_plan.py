@@ -65,3 +65,15 @@ def test_sliding_window_layers_hold_only_their_window():
         == plan(34, 4, 256, 2, 16, [100], 100).total_allocated_bytes                  # shorter than the window
     with pytest.raises(ValueError, match="sliding_layers"):
         plan(34, 4, 256, 2, 16, [100], 100, sliding_window=1024)
+
+
+def test_arithmetic_does_not_load_the_engine():
+    """kv-plan from explicit dimensions imports neither torch nor the engine (it is arithmetic: the
+    CLI's parser once pulled both in through the routes' error types)."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom pagedserve.entrypoints.cli import main\n"
+            "main(['kv-plan', '--layers', '32', '--kv-heads', '8', '--head-dim', '128'])\n"
+            "print(sorted(m for m in ('torch', 'pagedserve.engine.llm_engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

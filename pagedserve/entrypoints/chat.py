@@ -14,7 +14,8 @@ from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
                                               usage_of)
-from pagedserve.entrypoints.server import RequestError, ServerState
+from pagedserve.entrypoints.http_errors import RequestError
+from pagedserve.entrypoints.server import ServerState
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()

@@ -14,7 +14,8 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
                                               submit, usage_of)
-from pagedserve.entrypoints.server import RequestError, ServerState
+from pagedserve.entrypoints.http_errors import RequestError
+from pagedserve.entrypoints.server import ServerState
 
 router = APIRouter()
 

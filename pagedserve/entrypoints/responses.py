@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.entrypoints.server import RequestError, ServerState, error_body
+from pagedserve.entrypoints.http_errors import RequestError, error_body
+from pagedserve.entrypoints.server import ServerState
 from pagedserve.errors import EngineDeadError
 
 # how each kind of engine failure is answered: (HTTP status, OpenAI error type)

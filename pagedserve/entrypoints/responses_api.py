@@ -27,7 +27,8 @@ from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefi
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
                                              to_sampling_params)
 from pagedserve.entrypoints.responses import Usage, collect, deltas, sse, state, submit
-from pagedserve.entrypoints.server import RequestError, ServerState
+from pagedserve.entrypoints.http_errors import RequestError
+from pagedserve.entrypoints.server import ServerState
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()

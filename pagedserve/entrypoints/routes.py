@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from pagedserve.entrypoints import chat, completions, responses_api
 from pagedserve.entrypoints.protocol import DetokenizeRequest, TokenizeRequest, message_dict
 from pagedserve.entrypoints.responses import state as _state
-from pagedserve.entrypoints.server import RequestError, error_response
+from pagedserve.entrypoints.http_errors import RequestError, error_response
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()

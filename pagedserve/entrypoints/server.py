@@ -13,33 +13,16 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
 from pagedserve.entrypoints.metrics import ServerMetrics
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
-
-
-class RequestError(Exception):
-    """An error answered to the client in OpenAI's error JSON; `param` names the field at fault."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400, type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.message, self.status, self.type = param, message, status, type_
-
-
-def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, type_), status_code=status, headers=headers)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import re
 import uuid
 
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
-from pagedserve.entrypoints.server import RequestError
+from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)     # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
