@@ -10,6 +10,7 @@ _EXPORTS = {
     "EngineArgs": "pagedserve.config", "LLM": "pagedserve.engine.llm", "LLMEngine": "pagedserve.engine.llm_engine",
     "CompletionOutput": "pagedserve.engine.outputs", "RequestOutput": "pagedserve.engine.outputs",
     "SamplingParams": "pagedserve.sampling_params", "BeamSearchParams": "pagedserve.sampling_params",
+    "PoolingParams": "pagedserve.sampling_params", "EmbeddingRequestOutput": "pagedserve.engine.outputs",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

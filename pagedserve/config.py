@@ -27,6 +27,9 @@ class EngineArgs:
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
+    pooling: str | None = field(default=None, metadata=_h(
+        "last | mean | cls: how embedding requests (LLM.embed, /v1/embeddings) pool the final hidden states; "
+        "default: the model's sentence-transformers pooling config, else last (normalized)"))
     device: str = field(default="cpu", metadata=_h("cpu | cuda"))
     block_size: int = field(default=16, metadata=_h("tokens per KV block"))
     num_kv_blocks: int | None = field(default=None, metadata=_h("KV pool size in blocks (overrides --kv-cache-memory)"))
@@ -81,7 +84,7 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
-                   "quantization": ("auto", "none", "gguf", "int8"),
+                   "quantization": ("auto", "none", "gguf", "int8"), "pooling": (None, "last", "mean", "cls"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static"),
                    "distributed_executor_backend": ("mp", "ray", "external_launcher")}

@@ -200,3 +200,30 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """What an embedding request returns (vLLM's PoolingParams; `LLM.embed`, `/v1/embeddings`): the
+    model's final hidden states over the prompt pooled by `pooling_type` (LAST token, MEAN of all, or
+    CLS: the first), L2-normalized unless `normalize` is False, and cut to the first `dimensions`
+    values (normalized again after the cut) when given. None: the model's own (its sentence-transformers
+    pooling config, or --pooling; else LAST, normalized)."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ParamError("pooling_type", f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ParamError("normalize", f"normalize must be a boolean, got {self.normalize!r}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise ParamError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")

@@ -95,10 +95,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks, capped at num_tokens - 1 so the last token is
-        always computed (its logits are needed). A request still owed prompt logprobs gets no hit: its
-        prompt is recomputed (its blocks still enter the cache for others), since the logits of a
-        cached prefix were never kept."""
-        if not self.enable_caching or owes_prompt_logprobs(req):
+        always computed (its logits are needed). A request still owed prompt logprobs (or pooling over
+        more than its last token) gets no hit: its prompt is recomputed (its blocks still enter the
+        cache for others), since the logits / hidden states of a cached prefix were never kept."""
+        if not self.enable_caching or owes_prompt_logprobs(req) or owes_pooling(req):
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks * self.block_size)
@@ -249,6 +249,12 @@ class KVCacheManager:
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)
         return True
+
+
+def owes_pooling(req: Request) -> bool:
+    """An embedding request pooling more than its last token (MEAN, CLS) needs the hidden states of
+    prompt positions a prefix hit would skip."""
+    return req.pooling is not None and req.pooling.pooling_type != "LAST" and req.pooled_done < req.num_prompt_tokens
 
 
 def owes_prompt_logprobs(req: Request) -> bool:

@@ -51,6 +51,8 @@ class Request:
     generator_seed: int | None = None
     grammar: Any = None                          # structured outputs: the sequence's matcher (core/grammar.py)
     prompt_logprobs_done: int = 0                # prompt positions whose logprobs were scheduled (never twice)
+    pooling: Any = None                          # an embedding request: its resolved PoolingParams
+    pooled_done: int = 0                         # prompt positions whose hidden states were pooled (never twice)
     # timestamps (monotonic seconds) for latency metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

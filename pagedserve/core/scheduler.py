@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.step import PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
+from pagedserve.core.step import PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
 from pagedserve.errors import ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
@@ -140,7 +140,16 @@ class Scheduler:
                 plp = PromptLogprobsRow(lo - start, tuple(req.prompt_token_ids[lo + 1:hi + 1]),
                                         req.params.prompt_logprobs)
                 req.prompt_logprobs_done = hi
-        seq = ScheduledSeq.of(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens, plp)
+        pool = None
+        if req.pooling is not None:                  # the prompt positions this chunk pools, each once
+            first = {"LAST": req.num_prompt_tokens - 1, "CLS": 0}.get(req.pooling.pooling_type, 0)
+            lo = max(start, req.pooled_done, first)
+            hi = min(start + n, req.num_prompt_tokens, first + 1 if req.pooling.pooling_type != "MEAN"
+                     else req.num_prompt_tokens)
+            if hi > lo:
+                pool, req.pooled_done = PoolRow(lo - start, hi - lo), hi
+        seq = ScheduledSeq.of(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens, plp,
+                              pool)
         req.num_computed_tokens += n
         return seq
 

@@ -46,6 +46,14 @@ class PromptLogprobsRow:
 
 
 @dataclass(slots=True, frozen=True)
+class PoolRow:
+    """Hidden states to pool from this chunk (an embedding request): rows first..first+count-1."""
+
+    first: int                          # offset within the chunk
+    count: int
+
+
+@dataclass(slots=True, frozen=True)
 class ScheduledSeq:
     """One sequence's share of the step: compute `token_ids` at positions start.. of it."""
 
@@ -55,6 +63,7 @@ class ScheduledSeq:
     block_ids: tuple[int, ...]          # its block table: physical block of each logical block
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
     prompt_logprobs: PromptLogprobsRow | None = None
+    pool: PoolRow | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,9 +79,9 @@ class ScheduledSeq:
 
     @classmethod
     def of(cls, req: Request, start: int, n: int, block_ids, sample: bool,
-           prompt_logprobs: PromptLogprobsRow | None = None) -> ScheduledSeq:
+           prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]), start, tuple(block_ids),
-                   SamplingRow.of(req) if sample else None, prompt_logprobs)
+                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool)
 
 
 @dataclass(slots=True, frozen=True)

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 from pagedserve.tokenizer import apply_chat_template
 
 
@@ -69,6 +69,17 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[r] for r in ids]
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's pooled final hidden states (PoolingParams: pooling type,
+        normalize, dimensions; default the model's). The prompts run batched like any requests."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        outs = self._run(prompts, [pooling_params or PoolingParams()] * len(prompts), None, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding), o.finished)
+                for o in outs]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -22,10 +22,10 @@ from pagedserve.host import auto_dtype, available_memory_bytes
 from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
-from pagedserve.model.loader import load_model, read_model_config, resolve_model
+from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
 from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
@@ -153,8 +153,14 @@ class LLMEngine:
         if bad:
             raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None) -> str:
+        """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
+        hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request)."""
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = self.resolve_pooling(params)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -177,9 +183,30 @@ class LLMEngine:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
             req.grammar = self.scheduler.grammar.matcher(params.structured_outputs)
+        req.pooling = pooling
         self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(request_id, text, req, stream)
         return request_id
+
+    def resolve_pooling(self, p: PoolingParams) -> PoolingParams:
+        """A request's pooling with the model's defaults filled in (--pooling, then its sentence-
+        transformers config, then LAST normalized); a ParamError for what this model cannot give."""
+        model = read_pooling_config(self.source)
+        kind = p.pooling_type or (self.args.pooling or "").upper() or model.get("pooling_type") or "LAST"
+        if kind not in POOLING_TYPES:
+            raise ParamError("pooling_type", f"pooling_type: the model's pooling {kind!r} is not supported (supported: "
+                                             f"{', '.join(POOLING_TYPES)}; choose one with --pooling)")
+        normalize = p.normalize if p.normalize is not None else model.get("normalize", True)
+        if p.dimensions is not None:
+            allowed = model.get("matryoshka")
+            hidden = self.model_config.hidden_size
+            if allowed is None or (allowed and p.dimensions not in allowed) or p.dimensions > hidden:
+                raise ParamError("dimensions", f"dimensions: this model does not make {p.dimensions}-dimensional "
+                                               f"embeddings (its config names " + (
+                                                   f"matryoshka_dimensions {allowed})" if allowed else
+                                                   "no matryoshka dimensions)" if allowed is None else
+                                                   f"hidden size {hidden})"))
+        return PoolingParams(kind, normalize, p.dimensions)
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""
@@ -255,6 +282,10 @@ class LLMEngine:
             st = self.states[rid]                 # prompt chunks run before any fork: rid is the request's own
             st.prompt_logprobs.extend(lps)
             touched[rid] = st
+        for rid, (vec, rows) in ro.pooled.items():
+            st = self.states[rid]
+            st.pool_sum = vec if st.pool_sum is None else st.pool_sum + vec
+            st.pool_rows += rows
         for u in self.scheduler.update_from_output(so, sampled):
             st = self.states[_owner_id(u.request)]
             if u.sample_index:
@@ -263,6 +294,8 @@ class LLMEngine:
             self.outputs.observe(st, u, ro.sampled[u.row_id][u.sample_index])
             if u.request.status.finished:
                 self.runner.sampler.forget(u.request.request_id)
+                if u.request.pooling is not None and st.pool_sum is not None:
+                    st.embedding = _pooled(st, u.request.pooling)
         return list(touched.values())
 
     def _record_stats(self, so: SchedulerOutput, ro: RunnerOutput, step_s: float) -> None:
@@ -284,6 +317,17 @@ class LLMEngine:
 def _owner_id(req: Request) -> str:
     """The user request a sequence belongs to: its first sequence carries the request's id."""
     return req.parent_id or req.request_id
+
+
+def _pooled(st, pooling: PoolingParams) -> list[float]:
+    """The embedding of a finished pooling request: the mean (or the one row) of its pooled hidden
+    states, cut to `dimensions`, L2-normalized when asked."""
+    v = st.pool_sum / max(1, st.pool_rows)
+    if pooling.dimensions is not None:
+        v = v[:pooling.dimensions]
+    if pooling.normalize:
+        v = torch.nn.functional.normalize(v, dim=0)
+    return v.tolist()
 
 
 def _free_memory_bytes(device: str) -> int:

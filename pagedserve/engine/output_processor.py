@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.step import SeqUpdate
@@ -53,6 +54,9 @@ class RequestState:
     error: RequestFailure | None = None
     prompt_logprobs: list | None = None         # [None, {...}, ...] as the prompt's chunks are computed
     prompt_logprobs_sent: bool = False
+    pool_sum: Any = None                        # an embedding request: float32 sum of its pooled hidden states
+    pool_rows: int = 0
+    embedding: list[float] | None = None        # the pooled vector, once its prompt is done
 
     @property
     def params(self) -> SamplingParams:
@@ -145,4 +149,4 @@ class OutputProcessor:
         m = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
                            time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs))
         return RequestOutput(st.request_id, st.prompt, r0.prompt_token_ids, outs, finished,
-                             max(0, r0.num_cached_tokens), m, st.error, plp)
+                             max(0, r0.num_cached_tokens), m, st.error, plp, st.embedding if finished else None)

@@ -52,6 +52,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it);
     # a stream carries it once, in the first output after the prompt is done
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None     # an embedding request (PoolingParams): the pooled vector, once finished
 
 
 @dataclass(slots=True)
@@ -89,3 +90,18 @@ class EngineCounters:
 
     def count_finish(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -51,9 +51,9 @@ async def completions(body: CompletionRequest, http: Request):
             "choices": choices, "usage": usage_of(outs, count_completion=not echo_only)}
 
 
-def _prompts(st: ServerState, prompt) -> list[dict]:
+def _prompts(st: ServerState, prompt, field: str = "prompt") -> list[dict]:
     """Each prompt as {"prompt_token_ids", "prompt"} (tokenized here, in a worker thread, not in the
-    engine's step loop)."""
+    engine's step loop); `field` names it in errors (embeddings call it `input`)."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -61,7 +61,7 @@ def _prompts(st: ServerState, prompt) -> list[dict]:
     else:
         items = list(prompt)
     if not items:
-        raise RequestError("prompt", "prompt: must not be empty")
+        raise RequestError(field, f"{field}: must not be empty")
     tok = st.engine.tokenizer
     out = []
     for p in items:

@@ -225,6 +225,16 @@ class ResponsesRequest(_Sampling):
     include: list[str] | None = None      # accepted and ignored (no logprobs / encrypted reasoning to include)
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's fields; vLLM's priority)."""
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    user: str | None = None               # accepted and ignored (IGNORED_FIELDS)
+
+
 def structured_outputs(req: _Common) -> StructuredOutputsParams | None:
     """The one constraint a request asks for, under whichever of its names (400 if more than one)."""
     found: list[tuple[str, dict]] = []

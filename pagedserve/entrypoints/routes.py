@@ -10,7 +10,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from pagedserve.entrypoints import chat, completions, responses_api
+from pagedserve.entrypoints import chat, completions, embeddings, responses_api
 from pagedserve.entrypoints.protocol import DetokenizeRequest, TokenizeRequest, message_dict
 from pagedserve.entrypoints.responses import state as _state
 from pagedserve.entrypoints.http_errors import RequestError, error_response
@@ -20,6 +20,7 @@ router = APIRouter()
 router.include_router(completions.router)
 router.include_router(chat.router)
 router.include_router(responses_api.router)
+router.include_router(embeddings.router)
 
 
 # ---------------------------------------------------------------- service routes

@@ -218,9 +218,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(torch.where(mine, input_ids - self.vocab_first, 0))
         return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last hidden states (what HF's base model returns): the final norm applied."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits (rows, vocab); under tensor parallelism on rank 0 only (None elsewhere)."""
-        h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        h = self.final_norm(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.tp.gather_columns(linear(h, w, None, self.transposed).float())
         if logits is None:

@@ -87,6 +87,35 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
                          "folder with config.json and *.safetensors, or a Hub id ORG/NAME[:QUANT])")
 
 
+def read_pooling_config(src: ModelSource) -> dict:
+    """How the model says embeddings are made (sentence-transformers' files in an HF folder):
+    {"pooling_type": LAST | MEAN | CLS | the unsupported mode's name, "normalize": bool,
+    "matryoshka": list of allowed dimensions, [] for any, or None (no truncation)}; {} when it says nothing."""
+    out: dict = {}
+    if src.kind != "hf":
+        return out
+    cfg_path = os.path.join(src.path, "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        if hf.get("matryoshka_dimensions") or hf.get("is_matryoshka"):
+            out["matryoshka"] = list(hf.get("matryoshka_dimensions") or [])
+    modules = os.path.join(src.path, "modules.json")
+    if not os.path.isfile(modules):
+        return out
+    with open(modules) as f:
+        mods = json.load(f)
+    out["normalize"] = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
+    pool = next((m for m in mods if str(m.get("type", "")).endswith("Pooling")), None)
+    if pool is not None:
+        with open(os.path.join(src.path, pool.get("path", ""), "config.json")) as f:
+            pc = json.load(f)
+        modes = [k.removeprefix("pooling_mode_") for k, v in pc.items() if k.startswith("pooling_mode_") and v]
+        names = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS"}
+        out["pooling_type"] = names.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or "none"
+    return out
+
+
 _LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
 
 

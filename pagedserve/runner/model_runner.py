@@ -24,6 +24,7 @@ from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_o
 class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)   # request id -> samples (n on a fork)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # request id -> this chunk's
+    pooled: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)   # request id -> (float32 sum, rows)
     forward_s: float = 0.0
     prepare_s: float = 0.0
     sample_s: float = 0.0
@@ -83,7 +84,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
     def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                    list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]]]:
+                                                    list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]],
+                                                    list[tuple[str, int, int]]]:
         """Decode rows first (the scheduler lists them first), then prefill chunks."""
         bs = self.block_size
         ids: list[int] = []
@@ -97,6 +99,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         sample_rows: list[SamplingRow] = []
         prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
+        pool_rows: list[tuple[str, int, int]] = []                     # (request id, first hidden row, rows)
         for s in so.seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
@@ -122,6 +125,8 @@ class ModelRunner:
                 sample_rows.extend([s.sampling] * k)
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s.request_id, row0 + s.prompt_logprobs.first, s.prompt_logprobs))
+            if s.pool is not None:
+                pool_rows.append((s.request_id, row0 + s.pool.first, s.pool.count))
         # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
         for _, first, plp in prompt_rows:
             logit_rows.extend(range(first, first + len(plp.targets)))
@@ -135,7 +140,7 @@ class ModelRunner:
             md.prefill_cu_q = torch.tensor(cu_q, dtype=torch.long)
             md.prefill_context_lens = torch.tensor(pre_lens, dtype=torch.long)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
-                prompt_rows)
+                prompt_rows, pool_rows)
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -145,7 +150,7 @@ class ModelRunner:
         if not so.seqs:
             return out
         t0 = time.perf_counter()
-        input_ids, positions, md, rows, sample_rows, prompt_rows = self.prepare(so)
+        input_ids, positions, md, rows, sample_rows, prompt_rows, pool_rows = self.prepare(so)
         dev = self.device
         if dev.type != "cpu":
             input_ids, positions = input_ids.to(dev), positions.to(dev)
@@ -154,6 +159,9 @@ class ModelRunner:
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+            for rid, first, count in pool_rows:      # embeddings: the final-normed hidden states, summed
+                h = self.model.final_norm(hidden[first:first + count]).float()
+                out.pooled[rid] = (h.sum(0).cpu(), count)
         except Exception as e:
             if self.tp_size == 1:
                 raise

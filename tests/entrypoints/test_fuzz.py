@@ -57,4 +57,4 @@ def test_fuzzer_ran_enough_examples():
     """Runs after the parametrized test (same module, declaration order)."""
     print(f"\nfuzz examples: {sum(EXAMPLES.values())} {dict(EXAMPLES)}")
     assert EXAMPLES["POST /v1/completions"] >= 20 and EXAMPLES["POST /v1/chat/completions"] >= 20
-    assert EXAMPLES["POST /v1/responses"] >= 20
+    assert EXAMPLES["POST /v1/responses"] >= 20 and EXAMPLES["POST /v1/embeddings"] >= 20

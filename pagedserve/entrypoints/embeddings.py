@@ -1,0 +1,47 @@
+"""POST /v1/embeddings: each input's pooled final hidden states (PoolingParams: the model's pooling, or
+--pooling), all inputs handed to the engine at once so they share steps; `encoding_format` float or
+base64 (little-endian float32, as OpenAI's), `dimensions` where the model was trained for it."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from pagedserve.entrypoints.completions import _prompts
+from pagedserve.entrypoints.http_errors import RequestError
+from pagedserve.entrypoints.protocol import EmbeddingRequest
+from pagedserve.entrypoints.responses import collect, state, submit
+from pagedserve.errors import ParamError
+from pagedserve.sampling_params import PoolingParams
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, http: Request):
+    st = state(http)
+    if isinstance(body.input, list) and not body.input:
+        raise RequestError("input", "input: must not be empty")
+    prompts = await asyncio.to_thread(_prompts, st, body.input, "input")
+    try:
+        pooling = st.engine.resolve_pooling(PoolingParams(dimensions=body.dimensions))
+    except ParamError as e:
+        raise RequestError(e.param, str(e)) from None
+    rid = f"embd-{uuid.uuid4().hex}"
+    try:
+        streams = await submit(st, rid, prompts, pooling, body.priority, stream=False)
+    except ParamError as e:                  # the engine calls the inputs prompts: here they are `input`
+        raise RequestError("input" if e.param == "prompt" else e.param, str(e)) from None
+    outs = await collect(http, streams)
+    data = []
+    for i, out in enumerate(outs):
+        vec = out.embedding
+        if body.encoding_format == "base64":
+            vec = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vec})
+    n = sum(len(o.prompt_token_ids) for o in outs)
+    return {"object": "list", "id": rid, "model": st.model_name, "data": data,
+            "usage": {"prompt_tokens": n, "total_tokens": n}}
