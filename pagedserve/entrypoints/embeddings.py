@@ -33,8 +33,8 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     rid = f"embd-{uuid.uuid4().hex}"
     try:
         streams = await submit(st, rid, prompts, pooling, body.priority, stream=False)
-    except ParamError as e:                  # the engine calls the inputs prompts: here they are `input`
-        raise RequestError("input" if e.param == "prompt" else e.param, str(e)) from None
+    except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
+        raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
     outs = await collect(http, streams)
     data = []
     for i, out in enumerate(outs):

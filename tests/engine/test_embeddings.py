@@ -142,7 +142,8 @@ def test_v1_embeddings_with_the_openai_sdk(model):
         floats = client.embeddings.create(model="m", input="a text").data[0].embedding
         assert np.frombuffer(base64.b64decode(b64), dtype="<f4").tolist() == pytest.approx(floats, abs=0)
         for body, param in (({"input": []}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
-                            ({"input": "x", "max_tokens": 4}, "max_tokens"), ({"input": [[-1]]}, "input")):
+                            ({"input": "x", "max_tokens": 4}, "max_tokens"), ({"input": [[-1]]}, "input"),
+                            ({"input": [[5] * 600]}, "input")):            # longer than the context
             resp = httpx.post(base + "/v1/embeddings", json={"model": "m", **body}, timeout=30)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     assert not engine.states
