@@ -71,6 +71,7 @@ class LLMEngine:
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
                                                    dense_copy)
         self.tokenizer = load_tokenizer(self.source)
+        self.model_pooling = read_pooling_config(self.source)     # how embedding requests pool by default
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -191,7 +192,7 @@ class LLMEngine:
     def resolve_pooling(self, p: PoolingParams) -> PoolingParams:
         """A request's pooling with the model's defaults filled in (--pooling, then its sentence-
         transformers config, then LAST normalized); a ParamError for what this model cannot give."""
-        model = read_pooling_config(self.source)
+        model = self.model_pooling
         kind = p.pooling_type or (self.args.pooling or "").upper() or model.get("pooling_type") or "LAST"
         if kind not in POOLING_TYPES:
             raise ParamError("pooling_type", f"pooling_type: the model's pooling {kind!r} is not supported (supported: "
