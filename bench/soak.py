@@ -1,8 +1,8 @@
 """Soak: many requests over real HTTP against a `pagedserve serve` whose KV pool is small enough to
 force preemption, the way users send them: streaming and not, chat and completions, n in 1..3,
 stop strings, priorities, several prompts per completion with echo and prompt logprobs, JSON-schema
-constrained chats, streams dropped mid-way, client timeouts, aborted requests, and a few
-hostile fields beside the well-formed ones.
+constrained chats, /v1/responses (streamed and not) and /v1/embeddings beside them, streams dropped
+mid-way, client timeouts, aborted requests, and a few hostile fields beside the well-formed ones.
 
 It asserts that every request either completed with the right token count, was cut by its own
 client, or (hostile) got a 400; that no answer says "abort" or "error" unless the client caused
@@ -49,8 +49,15 @@ def plan(i: int, rng: random.Random, max_tokens: int) -> dict:
     p["body"] = ({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words}]} if chat
                  else {"prompt": SYSTEM + words})
     p["prompts"] = 1
-    k = rng.random()
-    if chat and k < 0.15:             # structured output: a grammar mask on this request's rows
+    p["route"] = "chat" if chat else "completions"
+    k, route = rng.random(), rng.random()
+    if route < 0.08:                  # the Responses API: one output, EOS may end it (no ignore_eos there)
+        p.update(route="responses", n=1, stop=None)
+        p["body"] = {"input": words, "instructions": SYSTEM}
+    elif route < 0.13:                # embeddings of two inputs, pooled in the same steps as the generations
+        p.update(route="embeddings", n=1, stop=None, stream=False, prompts=2)
+        p["body"] = {"input": [SYSTEM + words, words]}
+    elif chat and k < 0.15:             # structured output: a grammar mask on this request's rows
         p["body"]["response_format"] = LONG_JSON
     elif not chat and k < 0.15:       # several prompts in one request, echoed with prompt logprobs
         p["prompts"] = 2
@@ -68,6 +75,16 @@ def plan(i: int, rng: random.Random, max_tokens: int) -> dict:
 
 
 def request_body(p: dict) -> dict:
+    if p["route"] in ("responses", "embeddings"):
+        body = dict(p["body"], priority=p["priority"])
+        if p["route"] == "responses":
+            body.update(max_output_tokens=p["max_tokens"], temperature=0.8, seed=p["i"], stream=p["stream"])
+        if p["action"] == "hostile":
+            bad = dict(p["hostile"])
+            if "prompt" in bad:
+                bad = {"input": bad.pop("prompt")}
+            body.update(bad)
+        return body
     body = dict(p["body"], n=p["n"], max_tokens=p["max_tokens"], temperature=0.8, seed=p["i"], ignore_eos=True,
                 priority=p["priority"], stream=p["stream"])
     if p["stop"]:
@@ -107,8 +124,20 @@ def check_tokens(p: dict, reasons: list, completion_tokens: int) -> str:
     return "ok"
 
 
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+         "embeddings": "/v1/embeddings"}
+
+
+def check_response(p: dict, resp: dict) -> str:
+    """'ok', or what is wrong with a finished /v1/responses answer."""
+    out, status = resp["usage"]["output_tokens"], resp["status"]
+    if status == "incomplete" and out == p["max_tokens"] or status == "completed" and 0 < out <= p["max_tokens"]:
+        return "ok"
+    return f"status {status!r} with {out} tokens for max_output_tokens={p['max_tokens']}"
+
+
 async def run_one(client: httpx.AsyncClient, p: dict, hang_s: float) -> dict:
-    path = "/v1/chat/completions" if p["chat"] else "/v1/completions"
+    path = PATHS[p["route"]]
     t0 = time.perf_counter()
     res = {"i": p["i"], "action": p["action"]}
     try:
@@ -128,6 +157,12 @@ async def plain_one(client, path, p) -> dict:
     if r.status_code != 200:
         return {"outcome": "4xx" if r.status_code < 500 else "5xx", "status": r.status_code, "detail": r.text[:200]}
     j = r.json()
+    if p["route"] == "responses":
+        return {"outcome": check_response(p, j), "tokens": j["usage"]["output_tokens"]}
+    if p["route"] == "embeddings":
+        dims = {len(e["embedding"]) for e in j["data"]}
+        ok = len(j["data"]) == 2 and len(dims) == 1 and dims.pop() > 0
+        return {"outcome": "ok" if ok else f"embeddings: {len(j['data'])} vectors of sizes {dims}", "tokens": 0}
     reasons = [c["finish_reason"] for c in sorted(j["choices"], key=lambda c: c["index"])]
     return {"outcome": check_tokens(p, reasons, j["usage"]["completion_tokens"]), "tokens": j["usage"]["completion_tokens"]}
 
@@ -149,6 +184,9 @@ async def stream_one(client, path, p) -> dict:
             chunks += 1
             if p["action"] == "disconnect" and chunks >= p["after_chunks"]:
                 return {"outcome": "client_cut"}
+            if obj.get("type") == "response.completed":
+                return {"outcome": check_response(p, obj["response"]),
+                        "tokens": obj["response"]["usage"]["output_tokens"]}
             for c in obj.get("choices", []):
                 if c.get("finish_reason"):
                     reasons[c["index"]] = c["finish_reason"]

@@ -199,14 +199,14 @@ class LLMEngine:
                                              f"{', '.join(POOLING_TYPES)}; choose one with --pooling)")
         normalize = p.normalize if p.normalize is not None else model.get("normalize", True)
         if p.dimensions is not None:
-            allowed = model.get("matryoshka")
-            hidden = self.model_config.hidden_size
-            if allowed is None or (allowed and p.dimensions not in allowed) or p.dimensions > hidden:
+            allowed = model.get("matryoshka")            # None: not trained for truncation; []: any size
+            ok = allowed is not None and (p.dimensions in allowed if allowed else
+                                          p.dimensions <= self.model_config.hidden_size)
+            if not ok:
+                names = "no matryoshka dimensions" if allowed is None else f"matryoshka_dimensions {allowed or 'any'}"
                 raise ParamError("dimensions", f"dimensions: this model does not make {p.dimensions}-dimensional "
-                                               f"embeddings (its config names " + (
-                                                   f"matryoshka_dimensions {allowed})" if allowed else
-                                                   "no matryoshka dimensions)" if allowed is None else
-                                                   f"hidden size {hidden})"))
+                                               f"embeddings (its config names {names}; hidden size "
+                                               f"{self.model_config.hidden_size})")
         return PoolingParams(kind, normalize, p.dimensions)
 
     def precompile(self, params: SamplingParams) -> None:

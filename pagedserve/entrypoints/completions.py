@@ -37,7 +37,7 @@ async def completions(body: CompletionRequest, http: Request):
     # echo_only still samples one token (the last prompt row's logits are computed anyway); it is dropped
     params = to_sampling_params(body, 1 if echo_only else max_tokens, body.logprobs,
                                 prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
-    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    prompts = await asyncio.to_thread(tokenize_prompts, st, body.prompt)
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream)
@@ -51,7 +51,7 @@ async def completions(body: CompletionRequest, http: Request):
             "choices": choices, "usage": usage_of(outs, count_completion=not echo_only)}
 
 
-def _prompts(st: ServerState, prompt, field: str = "prompt") -> list[dict]:
+def tokenize_prompts(st: ServerState, prompt, field: str = "prompt") -> list[dict]:
     """Each prompt as {"prompt_token_ids", "prompt"} (tokenized here, in a worker thread, not in the
     engine's step loop); `field` names it in errors (embeddings call it `input`)."""
     if isinstance(prompt, str):

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 from fastapi import APIRouter, Request
 
-from pagedserve.entrypoints.completions import _prompts
+from pagedserve.entrypoints.completions import tokenize_prompts
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.protocol import EmbeddingRequest
 from pagedserve.entrypoints.responses import collect, state, submit
@@ -23,16 +23,11 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, http: Request):
     st = state(http)
-    if isinstance(body.input, list) and not body.input:
-        raise RequestError("input", "input: must not be empty")
-    prompts = await asyncio.to_thread(_prompts, st, body.input, "input")
-    try:
-        pooling = st.engine.resolve_pooling(PoolingParams(dimensions=body.dimensions))
-    except ParamError as e:
-        raise RequestError(e.param, str(e)) from None
+    prompts = await asyncio.to_thread(tokenize_prompts, st, body.input, "input")
     rid = f"embd-{uuid.uuid4().hex}"
-    try:
-        streams = await submit(st, rid, prompts, pooling, body.priority, stream=False)
+    try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
+        streams = await submit(st, rid, prompts, PoolingParams(dimensions=body.dimensions), body.priority,
+                               stream=False)
     except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
         raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
     outs = await collect(http, streams)

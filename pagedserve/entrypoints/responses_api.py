@@ -13,6 +13,7 @@ count and bytes (`ResponseStore`: the oldest go first)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -215,7 +216,8 @@ async def create_response(body: ResponsesRequest, http: Request):
     out, = await collect(http, streams)
     o = out.outputs[0]
     items, message = _items(st, chat, mode, o.text)
-    resp = _finish(st, shell, items, o, _usage(st, out.num_cached_tokens, len(out.prompt_token_ids), o, items))
+    resp = _finish(shell, items, o.finish_reason,
+                   _usage(st, out.num_cached_tokens, len(out.prompt_token_ids), len(o.token_ids), items))
     if body.store:
         store_of(st).put(resp, convo + [message])
     return resp
@@ -286,16 +288,15 @@ def _items(st: ServerState, chat: ChatCompletionRequest, mode: str, text: str) -
     return items, message
 
 
-def _usage(st: ServerState, cached: int, prompt: int, o: CompletionOutput, items: list[dict]) -> dict:
+def _usage(st: ServerState, cached: int, prompt: int, out: int, items: list[dict]) -> dict:
     thought = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
     n_thought = len(st.engine.tokenizer(thought, add_special_tokens=False)["input_ids"]) if thought else 0
-    out = len(o.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
             "output_tokens_details": {"reasoning_tokens": min(n_thought, out)}, "total_tokens": prompt + out}
 
 
-def _finish(st: ServerState, shell: dict, items: list[dict], o: CompletionOutput, usage: dict) -> dict:
-    cut = o.finish_reason == "length"
+def _finish(shell: dict, items: list[dict], finish_reason: str | None, usage: dict) -> dict:
+    cut = finish_reason == "length"
     return shell | {"status": "incomplete" if cut else "completed", "output": items, "usage": usage,
                     "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
 
@@ -306,7 +307,7 @@ async def _events(st: ServerState, body: ResponsesRequest, chat: ChatCompletionR
     """The Responses stream: lifecycle events around each output item's added / delta / done events.
     Text is streamed as it comes; with tools, the output is held until it finishes and then sent as
     its items (a call is only known to be one once it is whole)."""
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
 
     def ev(kind: str, **fields) -> dict:
         return {"type": kind, "sequence_number": next(seq), **fields}
@@ -418,16 +419,10 @@ async def _events(st: ServerState, body: ResponsesRequest, chat: ChatCompletionR
         message = {"role": "assistant", "content": content}
     prompt = len(last.prompt_token_ids) if last is not None else n_prompt
     cached = last.num_cached_tokens if last is not None else 0
-    done = _finish(st, shell, items, final, _usage(st, cached, prompt, _Counted(usage.completion), items))
+    done = _finish(shell, items, final.finish_reason, _usage(st, cached, prompt, usage.completion, items))
     if body.store:
         store_of(st).put(done, convo + [message])
     # response.completed even when max_output_tokens cut it (status "incomplete" inside, as vLLM does): the
     # openai SDK's stream helper ends only on it
     yield ev("response.completed", response=done)
 
-
-class _Counted:
-    """The finished output's token count as _usage reads it (a stream's deltas add up to it)."""
-
-    def __init__(self, n: int):
-        self.token_ids = range(n)

@@ -24,8 +24,8 @@ from pagedserve.model import hub
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.quant import (FORMATS, add_dense_copies, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight, cat_rows,
-                                    describe, quantize_int8)
+from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight,
+                                    add_dense_copies, cat_rows, describe, quantize_int8)
 
 log = logging.getLogger("pagedserve")
 

@@ -299,10 +299,10 @@ def add_dense_copies(model: nn.Module, dtype: torch.dtype, free_bytes: int | Non
     take at most DENSE_COPY_SHARE of the free memory; without them many-row products dequantize a
     tile at a time (slower: measured in BENCHMARKS.md). Returns the line logged at load."""
     ws = packed_weights(model)
-    need = sum(w.shape[0] * w.K for w in ws) * dtype.itemsize
-    free = available_memory_bytes() if free_bytes is None else free_bytes
     if not ws:
         return "dense copies: none needed (no packed weights)"
+    need = sum(w.shape[0] * w.K for w in ws) * dtype.itemsize
+    free = available_memory_bytes() if free_bytes is None else free_bytes
     if need > DENSE_COPY_SHARE * free:
         return (f"dense copies: skipped ({need / 2**20:.0f} MiB would exceed {DENSE_COPY_SHARE:.0%} of "
                 f"{free / 2**20:.0f} MiB free): many-row products dequantize tiles")
