@@ -5,6 +5,8 @@ p50 / p99 per server, and the ratio.
 
 Usage: python bench/guidellm_side_by_side.py --guidellm /tmp/gl/bin/guidellm [--streams 1] [--requests 8]
            [--serve-args "--quantization gguf"] [--llama-server build/llama.cpp/bin/llama-server]
+       --variants 'A;B' runs pagedserve once per `serve` flag set (A/B in one run, e.g. without and with
+       '--speculative-config {"method":"ngram"}'); --no-llama-server skips llama.cpp's server.
 """
 import argparse
 import json
@@ -87,6 +89,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags")
+    ap.add_argument("--variants", default=None, help="';'-separated `serve` flag sets, one pagedserve run each")
+    ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "build/llama.cpp/bin/llama-server"))
     a = ap.parse_args()
     from pagedserve.host import describe
@@ -98,14 +102,15 @@ def main():
     print(f"host: {describe()}; guidellm {a.streams} stream(s), {a.requests} requests, "
           f"{a.prompt_tokens} -> {a.output_tokens} tokens")
     rows = []
-    srv, base = serve(shlex.split(a.serve_args) + ["--max-num-seqs", str(max(16, a.streams))])
-    try:
-        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        rows.append((f"pagedserve serve {a.serve_args}".strip(), summary(run_guidellm(a.guidellm, base, model, tokdir, a))))
-    finally:
-        srv.send_signal(signal.SIGINT)
-        srv.wait(timeout=60)
-    if os.path.isfile(a.llama_server):
+    for flags in (a.variants.split(";") if a.variants else [a.serve_args]):
+        srv, base = serve(shlex.split(flags) + ["--max-num-seqs", str(max(16, a.streams))])
+        try:
+            model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+            rows.append((f"pagedserve serve {flags}".strip(), summary(run_guidellm(a.guidellm, base, model, tokdir, a))))
+        finally:
+            srv.send_signal(signal.SIGINT)
+            srv.wait(timeout=60)
+    if os.path.isfile(a.llama_server) and not a.no_llama_server:
         proc, base = start_llama_server(a.llama_server, src.path, a.streams)
         try:
             rows.append((f"llama-server -np {a.streams} --cache-ram 0",
@@ -119,9 +124,9 @@ def main():
     for name, r in rows:
         print(f"| {name} | {r['output_tok_s']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['ttft_p50_ms']} | "
               f"{r['ok']} / {r['errored']} |")
-    if len(rows) == 2:
-        print(f"\nratio pagedserve / llama-server: output tok/s {rows[0][1]['output_tok_s'] / rows[1][1]['output_tok_s']:.2f}x, "
-              f"ITL p50 {rows[0][1]['itl_p50_ms'] / rows[1][1]['itl_p50_ms']:.2f}x")
+    for name, r in rows[1:]:
+        print(f"\nratio {name} / {rows[0][0]}: output tok/s {r['output_tok_s'] / rows[0][1]['output_tok_s']:.2f}x, "
+              f"ITL p50 {r['itl_p50_ms'] / rows[0][1]['itl_p50_ms']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num
        (one pagedserve run per KV cache dtype, then the chosen baselines)
        python bench/throughput.py --paths float32:none,bfloat16:none,bfloat16:gguf --baselines hf_cb.py \
            --baseline-dtypes float32,bfloat16   (one run per --dtype:--quantization; baselines per dtype)
+       python bench/throughput.py --paths auto:auto,auto:auto:ngram,auto:auto --no-baselines
+           (a third field: speculative decoding, ngram = adaptive n-gram drafting, ngram-always = always;
+           --spec-k draft tokens)
 """
 import argparse
 import json
@@ -25,14 +28,17 @@ def load_workload(name: str) -> list[dict]:
     return workload.make(name)
 
 
-def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quantization: str = "none") -> dict:
+def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quantization: str = "none",
+             spec: str | None = None) -> dict:
     import torch
     from pagedserve import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
-              quantization=quantization)
+              quantization=quantization,
+              speculative_config=None if not spec else {"method": "ngram", "num_speculative_tokens": args.spec_k,
+                                                        "adaptive": spec != "ngram-always"})
     load_s = time.perf_counter() - t0
     eng = llm.engine
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -54,7 +60,9 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
     fwd_s = sum(s.forward_s for s in steps)
     busy = [s for s in steps if s.num_running >= 48]
     busy_out = (sum(s.step_s - s.forward_s for s in busy) / max(1e-9, sum(s.step_s for s in busy))) if busy else None
-    return {"engine": "pagedserve", "dtype": dtype, "quantization": quantization,
+    sp = eng.scheduler.spec_stats
+    return {"engine": "pagedserve", "dtype": dtype, "quantization": quantization, "speculative": spec,
+            "draft_tokens": sp.num_draft_tokens, "accepted_tokens": sp.num_accepted_tokens,
             "weights": eng.model.weights_desc, "weights_mb": round(eng.weights_bytes / 2**20, 1),
             "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
             "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
@@ -85,7 +93,9 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: one pagedserve run each")
-    ap.add_argument("--paths", default="auto:auto", help="comma-separated dtype:quantization, one run each")
+    ap.add_argument("--paths", default="auto:auto", help="comma-separated dtype:quantization[:ngram|ngram-always], "
+                                                          "one run each")
+    ap.add_argument("--spec-k", type=int, default=4, help="num_speculative_tokens of a path with ngram")
     ap.add_argument("--baselines", default="hf_cb.py,hf_static.py", help="comma-separated shared drivers")
     ap.add_argument("--baseline-dtypes", default="float32", help="comma-separated: each baseline once per dtype")
     a = ap.parse_args()
@@ -94,9 +104,9 @@ def main():
     print(f"host: {describe()}")
     ours = []
     for path in a.paths.split(","):
-        dtype, quant = path.split(":")
+        dtype, quant, spec = (path.split(":") + [None])[:3]
         for kv in a.kv_cache_dtypes.split(","):
-            ours.append(run_ours(reqs, a, kv, dtype, quant))
+            ours.append(run_ours(reqs, a, kv, dtype, quant, spec))
             print("RESULT " + json.dumps(ours[-1]), flush=True)
     if not a.no_baselines:
         wl_path = os.path.join("/tmp", f"{a.workload}.jsonl")

@@ -2,8 +2,69 @@
 from these fields (see pagedserve.entrypoints.cli), never from a second hand-written list."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import MISSING, dataclass, field, fields
+
+SPEC_METHODS = ("ngram",)
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config. method "ngram": the longest n-gram (prompt_lookup_max down to
+    prompt_lookup_min tokens) that ends the sequence and occurred earlier in it proposes the tokens
+    that followed its latest earlier occurrence, up to num_speculative_tokens. adaptive (ours,
+    default true): each step drafts only the tokens whose expected acceptance pays for the rows they
+    add, from the step times measured at start-up (false: always draft up to num_speculative_tokens)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A dict or its JSON text (--speculative-config); None stays None. ValueError names the key."""
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(SPEC_KEYS)})")
+        method = value.get("method", "ngram" if "model" not in value else "draft_model")
+        if method == "draft_model" or "model" in value:
+            raise ValueError("speculative_config.method: 'draft_model' (a draft model) is not implemented; "
+                             f"supported: {', '.join(SPEC_METHODS)}")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: unknown method {method!r} (supported: "
+                             f"{', '.join(SPEC_METHODS)})")
+        out = {}
+        for key, lo, hi, default in (("num_speculative_tokens", 1, MAX_SPEC_TOKENS, 4), ("prompt_lookup_min", 1, 64, 1),
+                                     ("prompt_lookup_max", 1, 64, 3)):
+            v = value.get(key, default)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"speculative_config.{key} must be an integer in [{lo}, {hi}], got {v!r}")
+            out[key] = v
+        if "prompt_lookup_max" not in value and out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+            out["prompt_lookup_max"] = out["prompt_lookup_min"]
+        if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({out['prompt_lookup_min']}) exceeds "
+                             f"prompt_lookup_max ({out['prompt_lookup_max']})")
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, adaptive=adaptive, **out)
 
 
 def _h(text: str, **kw) -> dict:
@@ -51,6 +112,10 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_h(
         "shard the model over this many ranks (Megatron-style: heads, MLP and vocabulary split, two all-reduces "
         "per layer; gloo on CPU, NCCL on CUDA); must divide the attention heads, KV heads and MLP size"))
+    speculative_config: str | dict | None = field(default=None, metadata=_h(
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": '
+        '1, "prompt_lookup_max": 3}; each step drafts only where the expected accepted tokens pay for the rows '
+        '(measured at start-up; "adaptive": false drafts always)'))
     distributed_executor_backend: str = field(default="mp", metadata=_h(
         "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
         "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
@@ -93,6 +158,11 @@ class EngineArgs:
                 bad(name, f"must be one of {ok}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             bad("swap_space", "must be a non-negative number of GiB")
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and self.tensor_parallel_size > 1:
+            bad("speculative_config", "is not supported with tensor_parallel_size > 1")
+        if spec is not None and self.scheduling_policy == "static":
+            bad("speculative_config", "is not supported with scheduling_policy static")
 
     @classmethod
     def defaults(cls) -> dict:

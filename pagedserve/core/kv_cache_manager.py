@@ -195,6 +195,16 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], req.block_hashes[i])
         self.num_hashed[rid] = n_full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Keep only the blocks `num_tokens` positions need (speculative decoding: the blocks that held
+        only rejected draft tokens go back, last first). Their slots were never hashed: the prefix cache
+        covers only tokens that are the request's own."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
+        if blocks and len(blocks) > keep:
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (refcount + 1); writes into a shared partial
         block are copy-on-write (see allocate_slots)."""

@@ -53,6 +53,8 @@ class Request:
     prompt_logprobs_done: int = 0                # prompt positions whose logprobs were scheduled (never twice)
     pooling: Any = None                          # an embedding request: its resolved PoolingParams
     pooled_done: int = 0                         # prompt positions whose hidden states were pooled (never twice)
+    spec_tried: float = 0.0                      # speculative decoding: draft tokens tried, decayed (spec_decode.py)
+    spec_accepted: float = 0.0                   # ... and accepted
     # timestamps (monotonic seconds) for latency metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

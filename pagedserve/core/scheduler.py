@@ -8,12 +8,14 @@ import bisect
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.spec_decode import AcceptancePrior, Candidate, SpecStats, choose_drafts, propose_ngram, \
+    update_acceptance
 from pagedserve.core.step import PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
 from pagedserve.errors import ParamError, QueueFullError
 
@@ -55,6 +57,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
         self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
+        self.spec = None                          # config.SpeculativeConfig: running sequences may draft tokens
+        self.spec_cost = None                     # spec_decode.StepCostTable (adaptive drafting), set by the engine
+        self.spec_stats = SpecStats()
+        self.spec_prior = AcceptancePrior()
 
     def held(self) -> dict[str, int]:
         """Per-request entries (none once every request has finished)."""
@@ -121,17 +127,52 @@ class Scheduler:
         budget = self._schedule_running(plan, preempted, self.cfg.max_num_batched_tokens)
         num_running = len(plan)
         if not preempted:
-            self._schedule_waiting(plan, budget)
-        plan.sort(key=lambda p: p[1] != 1)        # decodes first: the runner batches them
-        seqs = tuple(self._scheduled(req, n) for req, n in plan)
+            budget = self._schedule_waiting(plan, budget)
+        drafts = self._drafts(plan, budget) if self.spec is not None and budget > 0 else {}
+        plan.sort(key=lambda p: p[1] != 1)        # decodes (with their drafts) first: the runner batches them
+        seqs = tuple(self._scheduled(req, n, drafts.get(req.request_id, ())) for req, n in plan)
         constrained = tuple(s.request_id for s in seqs if s.sampling is not None
                             and self.requests[s.request_id].grammar is not None)
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
         return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
-                               num_admitted=len(plan) - num_running)
+                               num_admitted=len(plan) - num_running,
+                               num_draft_tokens=sum(len(d) for d in drafts.values()))
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
-        """The step's record of one sequence; advances its progress counters."""
+    def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
+        """Speculative decoding: draft tokens for the step's decodes, from what is left of the token
+        budget once every running and admitted sequence has its share (drafts never delay a prompt),
+        as spec_decode.choose_drafts decides. Not for sequences a grammar constrains (their masks are
+        made for one token), nor a request's first token while it still has to fork (n > 1)."""
+        spec, cost, cands = self.spec, self.spec_cost, []
+        base_tokens = sum(1 for req, n in plan if req.num_computed_tokens + n >= req.num_tokens)
+        base_rows = sum(n for _, n in plan)
+        if cost is not None and (base_tokens + 1) * cost(base_rows) <= base_tokens * cost(base_rows + 1):
+            self.spec_prior.idle_step()           # not even a sure draft token pays for its row: no lookups
+            return {}
+        for req, n in plan:
+            past_prompt = req.num_computed_tokens + 1 == req.num_tokens
+            if n != 1 or not past_prompt or req.grammar is not None or req.num_pending_forks:
+                continue
+            room = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+                       self.cfg.max_model_len - req.num_tokens - 1)
+            draft = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+            if draft:
+                cands.append(Candidate(req, draft, self.spec_prior.of(req)))
+        if not cands:
+            self.spec_prior.idle_step()
+            return {}
+        out = {}
+        for i, k in choose_drafts(cands, base_rows, base_tokens, cost, budget).items():
+            c = cands[i]
+            if self.kv.allocate_slots(c.request, 1 + k):    # no room: this sequence does not draft (never preempts)
+                out[c.request.request_id] = tuple(c.draft[:k])
+        if not out:
+            self.spec_prior.idle_step()
+        return out
+
+    def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
+        """The step's record of one sequence; advances its progress counters (past its draft tokens
+        too: update_from_output moves them back to what was accepted)."""
         start = req.num_computed_tokens
         plp = None
         if req.params.prompt_logprobs is not None:   # rows at positions lo..hi-1 predict prompt tokens lo+1..hi
@@ -149,8 +190,8 @@ class Scheduler:
             if hi > lo:
                 pool, req.pooled_done = PoolRow(lo - start, hi - lo), hi
         seq = ScheduledSeq.of(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens, plp,
-                              pool)
-        req.num_computed_tokens += n
+                              pool, draft)
+        req.num_computed_tokens += n + len(draft)
         return seq
 
     def _chunk(self, req: Request, budget: int, num_computed: int | None = None) -> int:
@@ -180,7 +221,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, plan: list, budget: int) -> None:
+    def _schedule_waiting(self, plan: list, budget: int) -> int:
         static = self.cfg.policy == "static"
         if static and not self.static_batch:
             # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
@@ -220,6 +261,7 @@ class Scheduler:
             plan.append((req, n))
             budget -= n
             num_seqs += 1 + req.num_pending_forks
+        return budget
 
     def num_seqs(self) -> int:
         """Running sequences, counting the forks an n > 1 request adds at its first token."""
@@ -240,23 +282,40 @@ class Scheduler:
         self._push_waiting(req)
 
     # ------------------------------------------------------------ after the step
-    def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> list[SeqUpdate]:
+    def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> Iterator[SeqUpdate]:
         """Apply the runner's sampled tokens: fork n > 1 requests at their first token, append, and
-        finish on EOS, a stop token or length. Stop strings need text: the engine checks those and
-        calls finish()."""
-        updates: list[SeqUpdate] = []
+        finish on EOS, a stop token or length. Lazily: each token is applied as its update is taken,
+        so when the caller finishes a sequence on a stop string (they need text: the engine checks
+        those and calls finish()) the rest of a speculative run is never appended."""
         now = self.clock()
         for s in so.seqs:
             tokens = sampled.get(s.request_id)
             req = self.requests.get(s.request_id)
             if not tokens or req is None or req.status is not RequestStatus.RUNNING:
                 continue
+            if s.num_draft:
+                yield from self._apply_run(req, s, tokens, now)
+                continue
             for i, tok in enumerate(tokens[1:], start=1):
-                updates.append(self._apply_token(self._fork(req, i), req.request_id, i, tok, now))
-            updates.append(self._apply_token(req, req.request_id, 0, tokens[0], now))
-        return updates
+                yield self._apply_token(self._fork(req, i), req.request_id, i, tok, now, forked=True)
+            yield self._apply_token(req, req.request_id, 0, tokens[0], now)
 
-    def _apply_token(self, req: Request, row_id: str, k: int, tok: int, now: float) -> SeqUpdate:
+    def _apply_run(self, req: Request, s: ScheduledSeq, tokens: list[int], now: float) -> Iterator[SeqUpdate]:
+        """A speculative step's tokens: the accepted drafts, then the runner's own. The sequence's
+        progress moves back to the accepted ones and the blocks that held only rejected drafts return
+        to the pool; its tokens are applied one by one while it runs."""
+        accepted = len(tokens) - 1
+        self.spec_stats.record(s.num_draft, accepted)
+        self.spec_prior.update(s.num_draft, accepted)
+        update_acceptance(req, s.num_draft, accepted)
+        req.num_computed_tokens = s.start + 1 + accepted
+        self.kv.trim(req, req.num_computed_tokens + 1)
+        for i, tok in enumerate(tokens):
+            if req.status is not RequestStatus.RUNNING:
+                return
+            yield self._apply_token(req, req.request_id, i, tok, now)
+
+    def _apply_token(self, req: Request, row_id: str, k: int, tok: int, now: float, forked: bool = False) -> SeqUpdate:
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
@@ -274,7 +333,7 @@ class Scheduler:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.finish(req, status)
-        return SeqUpdate(req, row_id, k, tok, status is not None)
+        return SeqUpdate(req, row_id, k, tok, status is not None, forked)
 
     def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Leave the batch now: free blocks, drop from whichever queue holds it. On a request that

@@ -55,7 +55,9 @@ class PoolRow:
 
 @dataclass(slots=True, frozen=True)
 class ScheduledSeq:
-    """One sequence's share of the step: compute `token_ids` at positions start.. of it."""
+    """One sequence's share of the step: compute `token_ids` at positions start.. of it. With
+    num_draft > 0 (speculative decoding) the last num_draft of them are draft tokens: every row
+    samples, and the runner returns the accepted drafts plus one token of its own."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -64,6 +66,11 @@ class ScheduledSeq:
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
     prompt_logprobs: PromptLogprobsRow | None = None
     pool: PoolRow | None = None
+    num_draft: int = 0
+
+    @property
+    def draft(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft:]
 
     @property
     def num_tokens(self) -> int:
@@ -71,17 +78,19 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        """One query token: the decode attention path (the one place this question is answered)."""
-        return len(self.token_ids) == 1
+        """One query token, or one and its drafts (each draft row is a decode of its own, one position
+        further): the decode attention path (the one place this question is answered)."""
+        return len(self.token_ids) - self.num_draft == 1
 
     def for_workers(self) -> ScheduledSeq:
         return self if self.sampling is None else replace(self, sampling=self.sampling.for_workers())
 
     @classmethod
     def of(cls, req: Request, start: int, n: int, block_ids, sample: bool,
-           prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None) -> ScheduledSeq:
-        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]), start, tuple(block_ids),
-                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool)
+           prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
+           draft: tuple[int, ...] = ()) -> ScheduledSeq:
+        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, tuple(block_ids),
+                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft))
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,6 +101,7 @@ class SchedulerOutput:
     grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
     num_admitted: int = 0                      # waiting requests that joined the batch this step
+    num_draft_tokens: int = 0                  # speculative decoding: draft tokens computed this step
 
     def for_workers(self) -> SchedulerOutput:
         """The record broadcast to tensor-parallel ranks > 0: everything the forward and the LM head
@@ -100,7 +110,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        """Tokens of sequences past their prompt: one each, and a speculative one's drafts."""
+        return sum(s.num_tokens for s in self.seqs if s.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -115,8 +126,10 @@ class SchedulerOutput:
 class SeqUpdate:
     """One sequence's new token from a step, already applied by the scheduler."""
 
-    request: Request             # the sequence; a new fork when sample_index > 0
+    request: Request             # the sequence
     row_id: str                  # the scheduled sequence whose logits the token was sampled from
-    sample_index: int            # which of that row's samples (0, or 1..n-1 for the forks of an n > 1 request)
+    sample_index: int            # which of that row's sampled tokens: a fork's index (1..n-1 for the forks of an
+    #                              n > 1 request), or the token's place in a speculative step's accepted run
     token_id: int
     finished: bool
+    forked: bool = False         # request is a new fork (sample i of an n > 1 request's first token)

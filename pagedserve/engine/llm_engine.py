@@ -8,12 +8,13 @@ import time
 
 import torch
 
-from pagedserve.config import EngineArgs, parse_bytes
+from pagedserve.config import EngineArgs, SpeculativeConfig, parse_bytes
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.step import SchedulerOutput
+from pagedserve.core.spec_decode import StepCostTable, monotone
+from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
@@ -96,6 +97,47 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.spec = SpeculativeConfig.parse(args.speculative_config)
+        if self.spec is not None:
+            self.scheduler.spec = self.spec
+            if self.spec.adaptive:
+                self.scheduler.spec_cost = cost = self._measure_step_costs()
+                log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s", self.spec.method,
+                         self.spec.num_speculative_tokens,
+                         " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()))
+            else:
+                log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)",
+                         self.spec.method, self.spec.num_speculative_tokens)
+
+    def _measure_step_costs(self) -> StepCostTable:
+        """Step seconds by rows, on this host, for the drafting rule: one sequence of R tokens whose
+        rows all sample (a verification's shape), R from 1 (a decode) up to the most rows a step of
+        drafts reaches; the best of two runs. The blocks it writes are taken from the pool and given
+        back before any request exists."""
+        a, k = self.args, self.spec.num_speculative_tokens
+        top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
+        grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
+        points = sorted({r for r in grid if r <= top} | {top})
+        blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(top))
+        ids = tuple(b.block_id for b in blocks)
+        row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
+        table = StepCostTable()
+        try:
+            for r in [1] + points:                # the first run warms up
+                so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=r - 1),))
+                best = float("inf")
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    self.executor.execute(so)
+                    best = min(best, time.perf_counter() - t0)
+                if not table.rows or r > table.rows[-1]:
+                    table.rows.append(r)
+                    table.seconds.append(best)
+        finally:
+            self.kv.pool.free_blocks(blocks)
+            self.runner.sampler.forget("spec-profile")
+        table.seconds = monotone(table.seconds)
+        return table
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""
@@ -289,7 +331,7 @@ class LLMEngine:
             st.pool_rows += rows
         for u in self.scheduler.update_from_output(so, sampled):
             st = self.states[_owner_id(u.request)]
-            if u.sample_index:
+            if u.forked:
                 self.outputs.add_seq(st, u.request)
             touched[st.request_id] = st
             self.outputs.observe(st, u, ro.sampled[u.row_id][u.sample_index])
@@ -311,7 +353,8 @@ class LLMEngine:
             num_free_blocks=free, num_used_blocks=kv.pool.num_usable_blocks - free,
             num_cached_blocks=kv.pool.num_cached_blocks(), kv_usage=kv.usage(),
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
-            num_preemptions=len(so.preempted), num_admitted=so.num_admitted, step_s=step_s, forward_s=ro.forward_s,
+            num_preemptions=len(so.preempted), num_admitted=so.num_admitted, num_draft_tokens=so.num_draft_tokens,
+            step_s=step_s, forward_s=ro.forward_s,
             prepare_s=ro.prepare_s, sample_s=ro.sample_s)
 
 

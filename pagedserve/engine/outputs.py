@@ -70,6 +70,7 @@ class StepStats:
     num_decode_tokens: int = 0
     num_preemptions: int = 0                # preemptions during this step
     num_admitted: int = 0                   # waiting requests that joined the batch this step
+    num_draft_tokens: int = 0               # speculative decoding: draft tokens verified this step
     step_s: float = 0.0
     forward_s: float = 0.0
     prepare_s: float = 0.0

@@ -26,7 +26,7 @@ def add_engine_flags(ap: argparse.ArgumentParser, positional_model: bool = False
 
 def _base_type(tp):
     if isinstance(tp, str):   # postponed annotations
-        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)})
+        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)})
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0]

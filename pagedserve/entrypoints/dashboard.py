@@ -46,7 +46,9 @@ class StateRecorder:
                                "preempted": s.num_preemptions, "admitted": s.num_admitted,
                                "running": s.num_running, "waiting": s.num_waiting,
                                "kv_usage": round(s.kv_usage, 4), "prefix_queries": c.prefix_queries,
-                               "prefix_hits": c.prefix_hits, "generated": c.generation_tokens})
+                               "prefix_hits": c.prefix_hits, "generated": c.generation_tokens,
+                               "draft": s.num_draft_tokens,
+                               "draft_accepted": engine.scheduler.spec_stats.num_accepted_tokens})
         for out in outputs:
             m = out.metrics
             if not out.finished or m is None or m.first_token_time is None:
@@ -112,8 +114,19 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                    "prefix_hit_rate": round(c.prefix_hits / c.prefix_queries, 4) if c.prefix_queries else None,
                    "ttft_s": _dist(recorder.ttft_s), "itl_s": _dist(recorder.itl_s),
                    "generation_tokens": c.generation_tokens, "prompt_tokens": c.prompt_tokens,
-                   "preemptions": c.preemptions, "finished": dict(c.finished)},
+                   "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(sch)},
     }
+
+
+def _spec(sch) -> dict | None:
+    """Speculative decoding's totals (None when it is off): vLLM's spec_decode counters."""
+    if sch.spec is None:
+        return None
+    sp = sch.spec_stats
+    return {"method": sch.spec.method, "num_speculative_tokens": sch.spec.num_speculative_tokens,
+            "adaptive": sch.spec.adaptive, "num_drafts": sp.num_drafts, "num_draft_tokens": sp.num_draft_tokens,
+            "num_accepted_tokens": sp.num_accepted_tokens, "accepted_per_pos": list(sp.accepted_per_pos),
+            "acceptance_rate": round(sp.num_accepted_tokens / sp.num_draft_tokens, 4) if sp.num_draft_tokens else None}
 
 
 def _dist(xs) -> dict:

@@ -47,14 +47,20 @@ class ServerMetrics:
         self.step_prefill = h("iteration_prefill_tokens", "Prefill tokens per step", _TOK)
         self.step_decode = h("iteration_decode_tokens", "Decode tokens per step", _TOK)
         self.step_time = h("iteration_seconds", "Wall time of one engine step", _LAT)
-        self._last = dict(q=0, h=0, p=0, pt=0, gt=0)
+        self.spec_drafts = c("spec_decode_num_drafts", "Speculative decoding: sequence-steps that verified drafts")
+        self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified")
+        self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
+        self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
+                              "tokens by their position in the draft (0 = first)", labelnames=["position"])
+        self._spec_pos: list[int] = []
+        self._last = dict(q=0, h=0, p=0, pt=0, gt=0, sd=0, sdt=0, sa=0)
         self._tok_seen: dict[str, tuple[int, float]] = {}
         self.blocks_total.set(engine.kv.pool.num_usable_blocks)
         self.blocks_free.set(engine.kv.num_free_blocks)
 
     def on_step(self, engine, outputs) -> None:
         """Runs in the engine thread after each step."""
-        s, c = engine.last_stats, engine.counters
+        s, c, sp = engine.last_stats, engine.counters, engine.scheduler.spec_stats
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.preempted.set(s.num_preempted_waiting)
@@ -63,10 +69,19 @@ class ServerMetrics:
         self.kv_usage.set(s.kv_usage)
         for key, counter, value in (("q", self.prefix_queries, c.prefix_queries), ("h", self.prefix_hits, c.prefix_hits),
                                     ("p", self.preemptions, c.preemptions), ("pt", self.prompt_tokens, c.prompt_tokens),
-                                    ("gt", self.generation_tokens, c.generation_tokens)):
+                                    ("gt", self.generation_tokens, c.generation_tokens),
+                                    ("sd", self.spec_drafts, sp.num_drafts), ("sdt", self.spec_draft_tokens,
+                                                                              sp.num_draft_tokens),
+                                    ("sa", self.spec_accepted, sp.num_accepted_tokens)):
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
                 self._last[key] = value
+        for pos, n in enumerate(sp.accepted_per_pos):
+            if pos == len(self._spec_pos):
+                self._spec_pos.append(0)
+            if n > self._spec_pos[pos]:
+                self.spec_per_pos.labels(position=str(pos)).inc(n - self._spec_pos[pos])
+                self._spec_pos[pos] = n
         if s.num_prefill_tokens:
             self.step_prefill.observe(s.num_prefill_tokens)
         if s.num_decode_tokens:

@@ -20,6 +20,13 @@ def _colour(request_id: str) -> str:
     return COLOURS[sum(map(ord, root)) % len(COLOURS)]
 
 
+def _spec(sp: dict | None) -> str:
+    if not sp:
+        return ""
+    rate = "-" if sp["acceptance_rate"] is None else f"{100 * sp['acceptance_rate']:.1f}%"
+    return f" · speculative {sp['method']}: {sp['num_draft_tokens']} drafted, {rate} accepted"
+
+
 def render(s: dict, width: int = 100) -> Group:
     m, h = s["summary"], s["health"]
     hr = h["prefix_hit_rate"]
@@ -27,7 +34,7 @@ def render(s: dict, width: int = 100) -> Group:
                 f"({m['used']} used, {m['shared']} shared, {m['cached']} cached, {m['free']} free of "
                 f"{s['config']['num_blocks']}) · running {m['running']} · waiting {m['waiting']} "
                 f"(swapped {m['swapped']}) · prefix hits {'-' if hr is None else f'{100 * hr:.1f}%'} · "
-                f"preemptions {h['preemptions']}", style="bold")
+                f"preemptions {h['preemptions']}{_spec(h.get('spec_decode'))}", style="bold")
     blocks = Text()
     names = s["blocks"]["state_names"]
     for i, st in enumerate(s["blocks"]["state"]):
@@ -51,11 +58,12 @@ def render(s: dict, width: int = 100) -> Group:
     for x in steps:
         frac = min(1.0, (x["prefill"] + x["decode"]) / budget)
         line.append(BARS[round(frac * (len(BARS) - 1))], style="red" if x["preempted"] else
-                    "yellow" if x["prefill"] else "blue")
+                    "yellow" if x["prefill"] else "magenta" if x.get("draft") else "blue")
     ms = [x["step_ms"] for x in steps]
     lat = h["ttft_s"], h["itl_s"]
     fmt = lambda v: "-" if v is None else f"{1e3 * v:.0f} ms"      # noqa: E731
-    foot = Text(f"tokens per step vs budget {budget} (yellow: with prefill, red: a preemption) · step ms "
+    foot = Text(f"tokens per step vs budget {budget} (yellow: with prefill, magenta: with drafts, red: a preemption) "
+                f"· step ms "
                 f"last {ms[-1] if ms else 0:.1f} max {max(ms) if ms else 0:.1f} · TTFT p50 {fmt(lat[0]['p50'])} "
                 f"p99 {fmt(lat[0]['p99'])} · ITL p50 {fmt(lat[1]['p50'])} p99 {fmt(lat[1]['p99'])}", style="dim")
     return Group(head, Text("KV blocks (# owned, digit = shared refcount, c cached, . free)", style="dim"), blocks,

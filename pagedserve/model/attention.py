@@ -7,8 +7,9 @@ shape (num_blocks, block_size, n_kv)). Block 0 is the engine's reserved null blo
 are padded with it.
 
 On the CPU the C kernels (pagedserve.kernels) read the cache in place, every format natively:
-decode rows in one call per layer, every prefill chunk of the step in one more. Elsewhere (CUDA,
-no compiler, an unsupported head size) a torch path gathers each context and calls SDPA.
+decode rows in one call per layer, every prefill chunk of the step in one more (on AVX-512 hosts;
+on AVX2 ones SDPA over the gathered context is faster: kernels.native_prefill_pays). Elsewhere
+(CUDA, no compiler, an unsupported head size) a torch path gathers each context and calls SDPA.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None    # (P, max_blocks) long
     prefill_cu_q: torch.Tensor | None = None            # (P + 1,) long
     prefill_context_lens: torch.Tensor | None = None    # (P,) long
-    native: bool = False                                 # the C kernels read the cache
+    native: bool = False                                 # the C kernels read the cache (decode rows)
+    native_prefill: bool = False                         # ... and the prefill chunks (kernels.native_prefill_pays)
 
     @property
     def num_prefills(self) -> int:
@@ -96,7 +98,10 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: 
         if d:
             decode_attention(q32[:d], kv, md, scale, out[:d], window)
         if md.num_prefills:
-            prefill_attention(q32[d:], kv, md, scale, out[d:], window)
+            if md.native_prefill:
+                prefill_attention(q32[d:], kv, md, scale, out[d:], window)
+            else:
+                out[d:] = prefill_attention(q32[d:], kv, md, scale, None, window, native=False)
         return out.to(q.dtype)
     out = torch.empty_like(q)
     if d:

@@ -7,7 +7,7 @@ heads, with the same block ids; all run the same step record; only rank 0 gets l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class ModelRunner:
                            and kernels.load() is not None)
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
+        self.native_prefill = self.use_native and kernels.native_prefill_pays()
 
     def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.model.cfg
@@ -104,13 +105,13 @@ class ModelRunner:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
             blocks = s.block_ids
-            if s.is_decode:
+            if s.is_decode:            # with drafts: one decode row per token, each seeing one position more
                 assert not pre_lens, "decode rows come before prefill chunks"
-                ids.append(s.token_ids[0])
-                pos.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-                dec_tables.append(blocks)
-                dec_lens.append(start + 1)
+                ids.extend(s.token_ids)
+                pos.extend(range(start, start + n))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+                dec_tables.extend([blocks] * n)
+                dec_lens.extend(range(start + 1, start + n + 1))
             else:
                 ctx = start + n
                 ids.extend(s.token_ids)
@@ -119,7 +120,10 @@ class ModelRunner:
                 pre_tables.append(blocks[: -(-ctx // bs)])
                 pre_lens.append(ctx)
                 cu_q.append(cu_q[-1] + n)
-            if s.sampling is not None:
+            if s.num_draft:            # speculative: every row samples, row i after i accepted drafts
+                logit_rows.extend(range(row0 + n - 1 - s.num_draft, row0 + n))
+                sample_rows.extend(_draft_rows(s.sampling, s.draft))
+            elif s.sampling is not None:
                 k = s.sampling.num_samples
                 logit_rows.extend([row0 + n - 1] * k)
                 sample_rows.extend([s.sampling] * k)
@@ -131,7 +135,7 @@ class ModelRunner:
         for _, first, plp in prompt_rows:
             logit_rows.extend(range(first, first + len(plp.targets)))
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(dec_lens),
-                               native=self.use_native)
+                               native=self.use_native, native_prefill=self.native_prefill)
         if dec_lens:
             md.decode_block_tables = _padded(dec_tables)
             md.decode_context_lens = torch.tensor(dec_lens, dtype=torch.long)
@@ -174,12 +178,43 @@ class ModelRunner:
             if prompt_rows:
                 out.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows):], prompt_rows)
                 logits = logits[:len(sample_rows)]
-            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows)) if sample_rows else []
+            drafts = {s.request_id: s.draft for s in so.seqs if s.num_draft}
+            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows), keep_states=drafts) \
+                if sample_rows else []
             for row, smp in zip(sample_rows, samples):
                 out.sampled.setdefault(row.request_id, []).append(smp)
+            for rid, draft in drafts.items():
+                out.sampled[rid] = run = accepted_run(draft, out.sampled[rid])
+                self.sampler.rewind(rid, len(run))
         t3 = time.perf_counter()
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, t3 - t2
         return out
+
+
+def _draft_rows(row: SamplingRow, draft: tuple[int, ...]) -> list[SamplingRow]:
+    """The sampling rows of a speculative sequence: row i samples as if drafts 1..i had been accepted
+    (min_tokens and penalties see them)."""
+    rows = [row]
+    for i in range(1, len(draft) + 1):
+        rows.append(replace(row, num_output_tokens=row.num_output_tokens + i,
+                            history=row.history + draft[:i] if row.history else ()))
+    return rows
+
+
+def accepted_run(draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
+    """Verification. samples[i] was drawn from the target's distribution after draft tokens 1..i;
+    draft i + 1 is accepted when samples[i] is that token, and the first sample that differs (or the
+    last, after all k are accepted) ends the run. For a draft that proposes one token with certainty
+    (n-gram lookup: q = 1 on it) this is exactly rejection sampling: accept with min(1, p/q) = p(d),
+    else draw from max(p - q, 0) renormalised = p without d, which is what a sample from p that is
+    not d is. Greedy rows take the argmax: the output is the one decoding without drafts gives."""
+    run = []
+    for d, smp in zip(draft, samples):
+        run.append(smp)
+        if smp.token_id != d:
+            return run
+    run.append(samples[len(draft)])
+    return run
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> dict[str, list[dict[int, Logprob]]]:

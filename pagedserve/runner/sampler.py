@@ -28,9 +28,18 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
         self.req_generators: dict[str, torch.Generator] = {}
+        self.draw_states: dict[str, list[torch.Tensor]] = {}   # speculative seeded rows: the state before each draw
 
     def forget(self, request_id: str) -> None:
         self.req_generators.pop(request_id, None)
+
+    def rewind(self, request_id: str, used: int) -> None:
+        """A speculative sequence used only its first `used` rows' draws: its generator goes back to
+        just after them, so a seeded request draws the same numbers for the same tokens however many
+        drafts each step verified (its output does not depend on the drafting)."""
+        states = self.draw_states.pop(request_id, None)
+        if states is not None and used < len(states):
+            self.req_generators[request_id].set_state(states[used])
 
     def held(self) -> dict[str, int]:
         return {"sampler.req_generators": len(self.req_generators)}
@@ -44,9 +53,11 @@ class Sampler:
         return g
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow],
-                 masks: tuple[list[int], np.ndarray] | None = None) -> list[SampledToken]:
+                 masks: tuple[list[int], np.ndarray] | None = None, keep_states=()) -> list[SampledToken]:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
-        masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains."""
+        masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains.
+        keep_states: request ids whose seeded draws may be rewound after (speculative rows)."""
+        self.draw_states.clear()
         params = [r.params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # the model's own logprobs, of the rows that want them (a copy: the masks below work in place)
@@ -59,7 +70,7 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample_random(logits, reqs, greedy)
+            tokens = self._sample_random(logits, reqs, greedy, keep_states)
         ids = tokens.tolist()
         out = [SampledToken(t) for t in ids]
         if lp_rows:               # one call for all rows at the largest k, each row then cut to its own k
@@ -95,7 +106,8 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, reqs: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, reqs: list[SamplingRow], greedy: list[bool],
+                       keep_states=()) -> torch.Tensor:
         params = [r.params for r in reqs]
         temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)]).unsqueeze(1)
         x = logits / temp
@@ -116,6 +128,8 @@ class Sampler:
         for i, r in enumerate(reqs):
             g = self._generator(r)
             if g is not None:
+                if r.request_id in keep_states:
+                    self.draw_states.setdefault(r.request_id, []).append(g.get_state())
                 u[i].uniform_(generator=g)
         sampled = (probs / u.log_().neg_()).argmax(dim=-1)
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)

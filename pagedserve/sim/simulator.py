@@ -127,7 +127,7 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
             owner = u.request.parent_id or rid
             if rid in last_token:
                 res.itl_s.append(now - last_token[rid])
-            elif u.sample_index == 0:
+            elif not u.forked:
                 res.ttft_s.append(now - arrival[owner])
             last_token[rid] = now
             if u.finished:

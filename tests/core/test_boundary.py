@@ -86,5 +86,5 @@ def test_clock_is_injectable():
     sch.add_request(r)
     so = sch.schedule()
     t[0] = 101.5
-    sch.update_from_output(so, {"a": [7]})
+    list(sch.update_from_output(so, {"a": [7]}))
     assert (r.first_scheduled_time, r.first_token_time) == (100.0, 101.5)

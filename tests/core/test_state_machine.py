@@ -2,7 +2,8 @@
 
 A random program of add (n, lengths, shared prefixes, priorities), step (random sampled tokens,
 EOS, stop tokens, lengths), abort, with forks, preemption by recompute and by swap and
-prefix-cache eviction happening as the small pool forces them. After every rule the bookkeeping
+prefix-cache eviction happening as the small pool forces them, and (in half the programs) n-gram
+speculative decoding with a random number of each step's drafts accepted. After every rule the bookkeeping
 must be exact; at the end, after aborting everything, no block is owned."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
@@ -29,12 +31,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4, 8]),
                 mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.integers(1, 8),
                 budget=st.integers(4, 64), chunk=st.integers(1, 32), caching=st.booleans(),
-                host_blocks=st.integers(0, 48))
-    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks):
+                host_blocks=st.integers(0, 48), spec=st.integers(0, 5))
+    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks, spec):
         self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0)
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                              max_model_len=96, long_prefill_token_threshold=chunk,
                                              preemption_mode=mode), self.kv)
+        if spec:                     # drafts whenever an n-gram matches (no cost table: adaptive off)
+            self.sch.spec = SpeculativeConfig(num_speculative_tokens=spec, adaptive=False)
         self.users: dict[str, list[Request]] = {}     # user request -> its sequences
         self.next_id = 0
 
@@ -76,9 +80,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             RULES["copy_on_write"] += len(so.block_ops.copy)
             RULES["evicted"] += self.kv.pool.num_evictions - evictions
             sampled = {s.request_id: [rng.randrange(60) for _ in range(s.sampling.num_samples)]
-                       for s in so.seqs if s.sampling is not None}
+                       for s in so.seqs if s.sampling is not None and not s.num_draft}
+            for s in so.seqs:
+                if s.num_draft:          # a verified run: some drafts accepted, then a token of the runner's own
+                    a = rng.randint(0, s.num_draft)
+                    sampled[s.request_id] = list(s.draft[:a]) + [rng.randrange(60)]
+                    RULES["drafted"] += 1
+                    RULES["rejected"] += a < s.num_draft
             for u in self.sch.update_from_output(so, sampled):
-                if u.sample_index:
+                if u.forked:
                     RULES["forked"] += 1
                     self.users[u.request.parent_id].append(u.request)
             for rid in [r for r, seqs in self.users.items() if all(q.status.finished for q in seqs)
@@ -109,6 +119,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         truly_free = pool.num_free_blocks - cached_free
         assert truly_free + cached_free + used == pool.num_usable_blocks
         assert pool.null_block.ref_cnt == 1 and 0 not in holders
+
+    @invariant()
+    def no_block_beyond_the_next_token(self):
+        """After a step a sequence holds blocks for its computed tokens and the next one at most:
+        what rejected drafts took is back in the pool."""
+        for rid, blocks in self.kv.req_blocks.items():
+            r = self.sch.requests[rid]
+            assert len(blocks) <= self.kv.blocks_needed(r.num_computed_tokens + 1), (rid, len(blocks))
+            assert r.num_computed_tokens <= r.num_tokens
 
     @invariant()
     def prefix_index_names_its_blocks(self):
@@ -164,4 +183,5 @@ def test_scheduler_state_machine():
     print(f"\nstate machine: {total} rules ({dict(RULES)})")
     assert total >= 3000 and RULES["step"] >= 1000
     # the program reached every mechanism it is meant to check
-    assert all(RULES[k] > 0 for k in ("preempted", "swapped_out", "copy_on_write", "evicted", "forked"))
+    assert all(RULES[k] > 0 for k in ("preempted", "swapped_out", "copy_on_write", "evicted", "forked", "drafted",
+                                      "rejected"))

@@ -33,7 +33,7 @@ def test_forks_count_against_max_num_seqs():
     so = s.schedule()
     assert [q.request_id for q in so.seqs] == ["a"]         # a's 3 samples fill 3 of the 4 slots
     assert s.num_seqs() == 3 and s.waiting_reason(s.waiting[0][1]) == "max_num_seqs reached"
-    ups = s.update_from_output(so, {"a": [9, 10, 11]})
+    ups = list(s.update_from_output(so, {"a": [9, 10, 11]}))
     assert [(u.request.request_id, u.sample_index, u.token_id) for u in ups] == [("a#1", 1, 10), ("a#2", 2, 11),
                                                                                  ("a", 0, 9)]
     assert len(s.running) == 3 and s.num_seqs() == 3
@@ -47,6 +47,6 @@ def test_sibling_queue_keys_are_a_total_order():
     kv = KVCacheManager(64, 4, False)
     s = Scheduler(SchedulerConfig(max_num_seqs=8), kv)
     s.add_request(Request("a", [5, 6, 7], SamplingParams(n=3, max_tokens=8), 8, num_samples=3))
-    s.update_from_output(s.schedule(), {"a": [1, 2, 3]})
+    list(s.update_from_output(s.schedule(), {"a": [1, 2, 3]}))
     keys = [r.sort_key for r in s.running]
     assert keys == sorted(set(keys)) and len(keys) == 3

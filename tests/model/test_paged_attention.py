@@ -68,3 +68,24 @@ def test_permuted_block_table_gives_identical_logits(default_model):
     # and a wrong table gives different logits: the read really follows the table
     lc = forward_all_rows(r, [(b, 99, 1, list(reversed(shuffled)))])
     assert not torch.allclose(la, lc)
+
+
+def test_prefill_chunks_take_the_native_kernel_only_where_it_pays(default_model, monkeypatch):
+    """The rule (kernels.native_prefill_pays): AVX-512 levels run prefill chunks natively, lower ones
+    through SDPA; the env var decides instead; either way a mixed step gives the same logits."""
+    from pagedserve import kernels
+    model, _ = default_model
+    level = kernels.host_levels()[0]
+    monkeypatch.delenv("PAGEDSERVE_PREFILL_ATTENTION", raising=False)
+    assert kernels.native_prefill_pays() == level.startswith("avx512")
+    logits = {}
+    for forced in ("native", "torch"):
+        monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", forced)
+        assert kernels.native_prefill_pays() == (forced == "native")
+        runner = ModelRunner(model, num_blocks=32, block_size=16)
+        assert runner.native_prefill == (runner.use_native and forced == "native")
+        ids = list(range(100, 140))
+        a, b = make_request("a", ids), make_request("b", ids[:23])
+        forward_all_rows(runner, [(a, 0, 40, blocks_for(1, 40, 16)), (b, 0, 23, blocks_for(4, 23, 16))])
+        logits[forced] = forward_all_rows(runner, [(a, 39, 1, blocks_for(1, 40, 16)), (b, 16, 7, blocks_for(4, 23, 16))])
+    assert torch.allclose(logits["native"], logits["torch"], atol=1e-4, rtol=0)

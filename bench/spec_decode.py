@@ -1,0 +1,135 @@
+"""Speculative decoding (n-gram prompt lookup), one stream: output tokens/s with and without it on an
+input-grounded workload (repeat, rewrite and extract from a given passage, a code edit) and a
+free-form chat workload, greedy, each request alone (one stream), in one run (ratios); acceptance
+rate, draft tokens and whether the greedy outputs are identical to decoding without drafts.
+
+Each configuration runs in its own process (its own start-up, the adaptive rule's measured step
+costs). A configuration is DTYPE:QUANT[:SPEC], SPEC one of off | adaptive | always (k = --k).
+
+Usage: python bench/spec_decode.py [--configs auto:auto:off,auto:auto:adaptive,...] [--tokens 128]
+           [--k 4] [--workloads grounded,chat] [--json out.json]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PASSAGE = (
+    "The committee met on Tuesday to review the budget for the new library. After two hours of discussion, "
+    "members agreed to fund the children's reading room, postpone the rooftop garden until next spring, "
+    "and ask the city for a second grant to cover the cost of accessible entrances. The chair thanked the "
+    "volunteers who had counted every book in the old building and promised a public meeting in March.")
+CODE = '''def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config has no name")
+    if "version" not in data:
+        raise ValueError("config has no version")
+    return data
+'''
+GROUNDED = [
+    f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}",
+    f"Rewrite the following passage in the past perfect tense, keeping every detail.\n\n{PASSAGE}",
+    f"From the passage below, list every decision the committee made, quoting the passage.\n\n{PASSAGE}",
+    f"Rename the function load_config to read_config in this code and return the whole file.\n\n{CODE}",
+    f"Add a check that raises ValueError(\"config has no owner\") when \"owner\" is missing, and return the "
+    f"whole function.\n\n{CODE}",
+]
+CHAT = [
+    "Tell me a long story about a dragon.",
+    "Explain how a refrigerator works to a curious ten-year-old.",
+    "What are three good habits for writing readable Python code? Explain each.",
+    "Write a short poem about autumn rain.",
+    "Describe the water cycle in a few paragraphs.",
+]
+
+
+def prompt_ids(texts):
+    from pagedserve.model.loader import resolve_model
+    from pagedserve.tokenizer import apply_chat_template, load_tokenizer
+    tok = load_tokenizer(resolve_model(None))
+    return [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in texts]
+
+
+def run(config: str, tokens: int, k: int, workloads: list[str]) -> dict:
+    from pagedserve import LLM, SamplingParams
+    dtype, quant, spec = (config.split(":") + ["off"])[:3]
+    sc = None if spec == "off" else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                                     "adaptive": spec == "adaptive"}
+    t0 = time.perf_counter()
+    llm = LLM(num_kv_blocks=512, dtype=dtype, quantization=quant, speculative_config=sc)
+    load_s = time.perf_counter() - t0
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompt_ids(["Hi"])[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    out = {"config": config, "load_s": round(load_s, 2), "workloads": {}}
+    for w in workloads:
+        stats = eng.scheduler.spec_stats
+        d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
+        n_tok, secs, outputs = 0, 0.0, []
+        for ids in prompt_ids(GROUNDED if w == "grounded" else CHAT):
+            t = time.perf_counter()
+            o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+            secs += time.perf_counter() - t
+            n_tok += len(o.token_ids)
+            outputs.append(o.token_ids)
+        drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
+        out["workloads"][w] = {"tok_s": round(n_tok / secs, 2), "tokens": n_tok, "seconds": round(secs, 2),
+                               "draft_tokens": drafted, "accepted": accepted,
+                               "acceptance": round(accepted / drafted, 3) if drafted else None, "outputs": outputs}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="auto:auto:off,auto:auto:adaptive,float32:none:off,float32:none:adaptive")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--workloads", default="grounded,chat")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None)
+    a = ap.parse_args()
+    workloads = a.workloads.split(",")
+    if a.child:
+        import torch
+        torch.set_num_threads(os.cpu_count() or 1)
+        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads)), flush=True)
+        return
+    from pagedserve.host import describe
+    print(f"host: {describe()}")
+    results = []
+    for c in a.configs.split(","):
+        p = subprocess.run([sys.executable, __file__, "--child", c, "--tokens", str(a.tokens), "--k", str(a.k),
+                            "--workloads", a.workloads], capture_output=True, text=True)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not line:
+            print(p.stdout[-2000:], p.stderr[-4000:])
+            raise SystemExit(f"{c} failed")
+        results.append(json.loads(line[0][7:]))
+    base = {}
+    for r in results:
+        key = ":".join(r["config"].split(":")[:2])
+        for w, m in r["workloads"].items():
+            if r["config"].endswith(":off") or r["config"].count(":") == 1:
+                base[key, w] = m
+    print(f"{'config':28} {'workload':9} {'tok/s':>7} {'vs off':>7} {'drafted':>8} {'accept':>7} identical")
+    for r in results:
+        key = ":".join(r["config"].split(":")[:2])
+        for w, m in r["workloads"].items():
+            b = base.get((key, w))
+            ratio = f"{m['tok_s'] / b['tok_s']:.2f}x" if b else "-"
+            n_same = sum(x == y for x, y in zip(m["outputs"], b["outputs"])) if b else 0
+            same = "-" if not b or b is m else f"{n_same}/{len(b['outputs'])}"
+            acc = "-" if m["acceptance"] is None else f"{m['acceptance']:.2f}"
+            print(f"{r['config']:28} {w:9} {m['tok_s']:7.2f} {ratio:>7} {m['draft_tokens']:8d} {acc:>7} {same}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"host": describe(), "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens, "k": a.k,
+                       "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()

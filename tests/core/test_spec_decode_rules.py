@@ -1,0 +1,141 @@
+"""Speculative decoding's plain-Python half: the n-gram proposer, the drafting rule, the config's
+refusals, and the scheduler's roll-back of rejected drafts (no model)."""
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.config import EngineArgs, SpeculativeConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.spec_decode import Candidate, StepCostTable, choose_drafts, propose_ngram
+from pagedserve.sampling_params import SamplingParams
+
+
+def test_ngram_takes_the_longest_match_and_its_latest_occurrence():
+    # "1 2 3" ends the sequence; it occurred twice before: the latest one (followed by 7 8) proposes
+    toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    assert propose_ngram(toks, 1, 3, 2) == [7, 8]
+    # with n at most 1 only "3" is matched: its latest earlier occurrence is followed by 7
+    assert propose_ngram(toks, 1, 1, 3) == [7, 8, 6]
+    assert propose_ngram([5, 6, 7], 1, 3, 4) == []                  # nothing occurred before
+    assert propose_ngram([5, 6, 5], 2, 3, 4) == []                  # only a 1-gram matches, min is 2
+    assert propose_ngram([5, 6, 5], 1, 3, 4) == [6, 5]              # the continuation may run into the suffix
+    assert propose_ngram([1, 2, 1, 2], 1, 3, 0) == []
+
+
+def test_ngram_ignores_byte_matches_that_straddle_tokens():
+    # token 256 = bytes 00 01 00 00 and token 1 = 01 00 00 00: a byte search for [1] also finds the
+    # inside of 256's bytes; only whole tokens count
+    toks = [256, 0, 5, 1]
+    assert propose_ngram(toks, 1, 1, 2) == []
+    assert propose_ngram([1, 9, 256, 0, 1], 1, 1, 1) == [9]
+
+
+def test_rule_takes_no_draft_when_rows_cost_more_than_they_bring():
+    cands = [Candidate(None, [7, 8, 9], 0.9), Candidate(None, [4], 0.2)]
+    flat = StepCostTable([1, 2, 8], [0.020, 0.021, 0.026])         # weight-bound: rows are nearly free
+    got = choose_drafts(cands, base_rows=2, base_tokens=2, cost=flat, budget=100)
+    assert got == {0: 3, 1: 1}
+    steep = StepCostTable([1, 64], [0.010, 0.640])                  # compute-bound: each row costs a whole step
+    assert choose_drafts(cands, base_rows=2, base_tokens=2, cost=steep, budget=100) == {}
+    # 2 tokens in 24 ms = 83/s; + 0.9 in 30 ms = 97/s; + 0.81 in 36 ms = 103/s (best); + 0.73 in 50 ms = 89/s
+    mid = StepCostTable([1, 2, 3, 4, 5], [0.020, 0.024, 0.030, 0.036, 0.050])
+    assert choose_drafts(cands, 2, 2, mid, 100) == {0: 2}
+    assert choose_drafts(cands, 2, 2, flat, budget=2) == {0: 2}     # the step's token budget caps it
+    assert choose_drafts(cands, 2, 2, None, budget=3) == {0: 3}     # adaptive off: proposals whole, budget first
+
+
+def test_cost_table_interpolates_and_extends():
+    t = StepCostTable([1, 3, 5], [1.0, 2.0, 4.0])
+    assert t(1) == 1.0 and t(2) == 1.5 and t(4) == 3.0 and t(7) == 6.0 and t(0) == 1.0
+
+
+@pytest.mark.parametrize("value, names", [
+    ({"method": "eagle"}, "speculative_config.method"),
+    ({"method": "draft_model", "model": "x"}, "speculative_config.method"),
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+    ({"num_spec_tokens": 3}, "speculative_config.num_spec_tokens"),
+    ({"adaptive": "yes"}, "speculative_config.adaptive"),
+    ("{not json", "speculative_config"),
+    ("[1, 2]", "speculative_config"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_key(value, names):
+    with pytest.raises(ValueError, match=names.replace(".", r"\.")):
+        EngineArgs(speculative_config=value)
+
+
+def test_speculative_config_parses_vllm_json_and_refuses_what_it_cannot_serve():
+    a = EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert SpeculativeConfig.parse(a.speculative_config) == SpeculativeConfig("ngram", 5, 1, 4, True)
+    assert SpeculativeConfig.parse({"prompt_lookup_min": 5}).prompt_lookup_max == 5     # max follows a larger min
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineArgs(speculative_config={"method": "ngram"}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineArgs(speculative_config={"method": "ngram"}, scheduling_policy="static")
+
+
+def _sched(k: int = 4, blocks: int = 64, bs: int = 4, budget: int = 64):
+    kv = KVCacheManager(blocks, bs, enable_caching=True)
+    sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=256), kv)
+    sch.spec = SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+    return sch, kv
+
+
+def test_rejected_drafts_give_their_blocks_back_and_progress_rolls_back():
+    sch, kv = _sched(k=4, bs=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]        # "1 2 3" occurred: drafts 4 5 6 7
+    r = Request("a", prompt, SamplingParams(max_tokens=20), 20)
+    sch.add_request(r)
+    so = sch.schedule()                            # the prompt
+    list(sch.update_from_output(so, {"a": [4]}))   # now ... 1 2 3 4: proposes 5 6 7 1
+    free = kv.num_free_blocks
+    so = sch.schedule()
+    (s,) = so.seqs
+    assert s.num_draft == 4 and s.draft == (5, 6, 7, 1) and s.token_ids == (4, 5, 6, 7, 1)
+    assert so.num_draft_tokens == 4 and so.num_decode_tokens == 5 and so.num_prefill_tokens == 0
+    assert kv.num_free_blocks == free - 1           # positions 10..14: block 3 (positions 12..15) added
+    ups = list(sch.update_from_output(so, {"a": [9]}))        # draft 5 rejected: the runner's 9
+    assert [u.token_id for u in ups] == [9]
+    assert r.output_token_ids == [4, 9] and r.num_computed_tokens == 11 and r.num_tokens == 12
+    assert len(kv.req_blocks["a"]) == 3 and kv.num_free_blocks == free     # block 3 held only rejected drafts
+    so = sch.schedule()                                        # ... 4 9: "9" never occurred: no draft
+    assert so.seqs[0].num_draft == 0
+    list(sch.update_from_output(so, {"a": [1]}))               # ... 9 1: proposes 2 3 4 9 (after the latest 1)
+    so = sch.schedule()
+    assert so.seqs[0].draft == (2, 3, 4, 9)
+    ups = list(sch.update_from_output(so, {"a": [2, 3, 7]}))  # two accepted, then 7
+    assert [u.token_id for u in ups] == [2, 3, 7] and [u.sample_index for u in ups] == [0, 1, 2]
+    assert r.num_computed_tokens == 15 and r.num_tokens == 16 and len(kv.req_blocks["a"]) == 4
+    assert sch.spec_stats.num_drafts == 2 and sch.spec_stats.num_accepted_tokens == 2
+    assert sch.spec_stats.accepted_per_pos == [1, 1, 0, 0]
+    # the prefix cache only ever names full blocks of the request's own tokens
+    assert kv.num_hashed["a"] <= r.num_tokens // 4
+
+
+def test_a_draft_stops_at_max_tokens_and_a_finish_ends_the_run():
+    sch, kv = _sched(k=8)
+    r = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=3), 3)
+    sch.add_request(r)
+    list(sch.update_from_output(sch.schedule(), {"a": [3]}))
+    (s,) = sch.schedule().seqs
+    assert s.num_draft == 1                          # 3 tokens at most: 1 sampled, so 1 draft + the runner's own
+    r2 = Request("b", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10), 10, eos_token_ids=(9,))
+    sch.add_request(r2)
+    so = sch.schedule()
+    list(sch.update_from_output(so, {s.request_id: [s.token_ids[-1]] for s in so.seqs}))
+    so = sch.schedule()
+    (sb,) = [s for s in so.seqs if s.request_id == "b"]
+    ups = list(sch.update_from_output(so, {"b": [sb.draft[0], 9] if sb.num_draft > 1 else [9]}))
+    assert ups[-1].finished and r2.status.finished and "b" not in kv.req_blocks
+
+
+def test_the_cli_flag_takes_vllm_json_and_a_bad_one_is_a_clear_error(capsys):
+    from pagedserve.entrypoints.cli import build_parser, engine_args_from, main
+    ns = build_parser().parse_args(["serve", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert SpeculativeConfig.parse(engine_args_from(ns).speculative_config).num_speculative_tokens == 3
+    assert main(["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}']) == 2
+    assert "speculative_config.num_speculative_tokens" in capsys.readouterr().err

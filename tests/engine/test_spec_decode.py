@@ -1,0 +1,231 @@
+"""Speculative decoding (n-gram) against decoding without it, on the default model in float32 (the
+exact path) and on a small-vocabulary random model that transformers writes: greedy outputs are
+identical, seeded sampled outputs are identical (the generator is rewound past unused draws),
+unseeded sampling follows the target distribution (chi-square against the distribution computed
+with HF on the same weights), and the mechanics (chunked prefill, preemption, n > 1, stop strings,
+max_tokens, logprobs, structured outputs) keep working with nothing leaked."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.core.spec_decode import propose_ngram
+from pagedserve.sampling_params import StructuredOutputsParams
+from tests.conftest import CHAT_PROMPTS
+
+ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, trimmed the wick, wound the "
+           "clockwork that turned the great lens, and wrote the weather in a leather logbook.")
+GROUNDED = [f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}\n\nThe passage again:",
+            f"{PASSAGE}\n\nCopy the first sentence above:",
+            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(num_kv_blocks=1024, block_size=16, dtype="float32", speculative_config=ALWAYS)
+
+
+def _engine(llm):
+    return llm.engine
+
+
+def _assert_idle_and_clean(llm):
+    eng = _engine(llm)
+    assert not any(eng.held().values()), eng.held()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+
+
+def _ids(outs):
+    return [[o.token_ids for o in r.outputs] for r in outs]
+
+
+def test_greedy_outputs_are_identical_and_drafts_are_accepted(llm, spec_llm, chat_prompt_ids):
+    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[::2]] + GROUNDED
+    sp = SamplingParams(max_tokens=40, temperature=0.0)
+    stats = _engine(spec_llm).scheduler.spec_stats
+    before = stats.num_accepted_tokens
+    ref, got = llm.generate(prompts, sp), spec_llm.generate(prompts, sp)
+    assert _ids(got) == _ids(ref)
+    assert [r.outputs[0].text for r in got] == [r.outputs[0].text for r in ref]
+    assert stats.num_accepted_tokens - before > 50          # the grounded prompts copy: drafts are taken
+    _assert_idle_and_clean(spec_llm)
+
+
+def test_greedy_outputs_are_identical_when_most_drafts_are_rejected(llm, spec_llm):
+    rng = random.Random(7)          # random token prompts: an n-gram of them rarely predicts the model
+    prompts = [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 60))]}
+               for _ in range(6)]
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    stats = _engine(spec_llm).scheduler.spec_stats
+    d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
+    assert _ids(spec_llm.generate(prompts, sp)) == _ids(llm.generate(prompts, sp))
+    drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
+    assert drafted > 100 and accepted < 0.5 * drafted
+    _assert_idle_and_clean(spec_llm)
+
+
+def test_seeded_sampling_is_identical_to_decoding_without_drafts(llm, spec_llm, chat_prompt_ids):
+    """Token i of a seeded request always uses its generator's i-th draw, however many drafts a step
+    verified, so its output is the one decoding without speculation gives (penalties and min_tokens
+    see the accepted drafts)."""
+    prompts = GROUNDED + [{"prompt_token_ids": p} for p in chat_prompt_ids[:3]]
+    params = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=100 + i, logprobs=2,
+                             repetition_penalty=1.1 if i % 2 else 1.0, presence_penalty=0.3 if i % 3 == 0 else 0.0,
+                             min_tokens=20) for i in range(len(prompts))]
+    ref, got = llm.generate(prompts, params), spec_llm.generate(prompts, params)
+    assert _ids(got) == _ids(ref)
+    for r, g in zip(ref, got):         # the logprobs returned are the target model's, the same numbers
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lr.keys() == lg.keys()
+            assert all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 and lr[t].rank == lg[t].rank for t in lr)
+    _assert_idle_and_clean(spec_llm)
+
+
+def test_stop_strings_max_tokens_n_and_prompt_logprobs_as_without_drafts(llm, spec_llm):
+    ref_text = llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
+    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]       # inside the copied passage: an accepted run
+    cases = [SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]),
+             SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+             SamplingParams(max_tokens=7, temperature=0.0),
+             SamplingParams(max_tokens=30, temperature=0.9, n=3, seed=5),
+             SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1)]
+    for sp in cases:
+        ref, got = llm.generate(GROUNDED[:2], sp), spec_llm.generate(GROUNDED[:2], sp)
+        assert _ids(got) == _ids(ref), sp
+        assert [[(o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in got] == \
+               [[(o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in ref], sp
+        if sp.prompt_logprobs:
+            for r, g in zip(ref, got):
+                assert [None if d is None else sorted(d) for d in g.prompt_logprobs] == \
+                       [None if d is None else sorted(d) for d in r.prompt_logprobs]
+    assert len(got[0].outputs[0].token_ids) == 12
+    _assert_idle_and_clean(spec_llm)
+
+
+def test_structured_outputs_do_not_draft_and_stay_valid(spec_llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    sp = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    out = spec_llm.generate(["Describe a person named Ann, aged 31, as JSON."], sp)[0].outputs[0]
+    assert set(json.loads(out.text)) == {"name", "age"}
+    _assert_idle_and_clean(spec_llm)
+
+
+def test_chunked_prefill_and_preemption_with_drafts(chat_prompt_ids):
+    """A pool far smaller than the work (recompute and swap), prompts chunked at 32 tokens: the same
+    tokens as the same engine without drafts, and every block back at the end."""
+    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:4]] + GROUNDED
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = []
+    for mode, spec in (("recompute", None), ("recompute", ALWAYS), ("swap", ALWAYS)):
+        llm = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32, preemption_mode=mode, speculative_config=spec)
+        outs.append(_ids(llm.generate(prompts, sp)))
+        eng = _engine(llm)
+        assert eng.counters.preemptions > 0
+        assert spec is None or eng.scheduler.spec_stats.num_accepted_tokens > 0
+        _assert_idle_and_clean(llm)
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_served_drafts_show_on_metrics_and_debug_state(spec_llm):
+    """A streamed completion through the server: the deltas carry several tokens when drafts are
+    accepted; /metrics has vLLM's spec_decode counters; /debug/state the totals and each step's drafts."""
+    import httpx
+    from pagedserve.entrypoints.server import build_app
+    from tests.entrypoints.helpers import serve_in_thread
+    eng = _engine(spec_llm)
+    ref = spec_llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
+    with serve_in_thread(build_app(eng)) as base:
+        text = ""
+        with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                          json={"prompt": GROUNDED[0], "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == ref
+        metrics = httpx.get(base + "/metrics").text
+        vals = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("pagedserve:spec")}
+        drafted, accepted = (vals[f"pagedserve:spec_decode_num_{k}_tokens_total"] for k in ("draft", "accepted"))
+        assert drafted >= accepted > 0
+        assert vals['pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+        state = httpx.get(base + "/debug/state").json()
+        sp = state["health"]["spec_decode"]
+        assert sp["method"] == "ngram" and sp["num_accepted_tokens"] == eng.scheduler.spec_stats.num_accepted_tokens
+        assert any(x["draft"] for x in state["steps"])
+    _assert_idle_and_clean(spec_llm)
+
+
+# ---------------------------------------------------------------- the target distribution
+VOCAB = 12
+PROMPT = [5, 0, 3, 9, 1, 7, 11, 2, 8, 4, 10, 6, 5, 0, 3]   # every token occurred: n-gram lookup always drafts
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory, tokenizer):
+    """A random Llama of 12 tokens with soft next-token distributions (drafts accepted about as often
+    as not), and the exact distribution of its first three sampled tokens, from HF on the same weights."""
+    from tests.model.families import save_family
+    d = tmp_path_factory.mktemp("small_vocab")
+    hf = save_family("llama", d, VOCAB, tokenizer, sharpen=4.0, tie_word_embeddings=True)
+    with torch.inference_mode():
+        seqs = [list(s) for s in itertools.product(range(VOCAB), repeat=2)]
+        p1 = torch.softmax(hf(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+        p2 = torch.softmax(hf(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1].float(), -1)
+        p3 = torch.softmax(hf(torch.tensor([PROMPT + s for s in seqs])).logits[:, -1].float(), -1)
+    joint2 = p1[:, None] * p2                                          # P(t1, t2)
+    joint3 = joint2.reshape(-1, 1) * p3                                # P(t1, t2, t3), (t1, t2) row-major
+    return str(d), {1: p1, 2: joint2.sum(0), 3: joint3.sum(0), 12: joint2.reshape(-1)}
+
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit; cells expected below 5 are merged into one."""
+    n = counts.sum()
+    exp = probs.double() * n
+    small = exp < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
+    keep = exp > 0
+    x2 = (((obs - exp) ** 2) / exp)[keep].sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), x2 / 2))
+
+
+def _sample(path: str, spec, n: int, temperature: float = 1.0, seed: int = 0):
+    llm = LLM(path, dtype="float32", num_kv_blocks=2048, block_size=16, max_num_seqs=64, seed=seed,
+              speculative_config=spec)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * n,
+                        SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True, detokenize=False))
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])
+    stats = _engine(llm).scheduler.spec_stats
+    _assert_idle_and_clean(llm)
+    return toks, stats
+
+
+def _fit(toks: torch.Tensor, dist: dict) -> dict[str, float]:
+    c = lambda x, m: torch.bincount(x, minlength=m)        # noqa: E731
+    return {"t1": _chi2_p(c(toks[:, 0], VOCAB), dist[1]), "t2": _chi2_p(c(toks[:, 1], VOCAB), dist[2]),
+            "t3": _chi2_p(c(toks[:, 2], VOCAB), dist[3]),
+            "t1t2": _chi2_p(c(toks[:, 0] * VOCAB + toks[:, 1], VOCAB * VOCAB), dist[12])}
+
+
+def test_sampled_tokens_follow_the_target_distribution(small_vocab):
+    """Rejection sampling as the runner does it (accept draft d when the target's sample is d, which
+    for a one-token draft is min(1, p/q) acceptance with the residual max(p - q, 0)): the first three
+    sampled tokens' marginals and the first two's joint fit the exact distribution; samples drawn at
+    another temperature, and a verifier that takes every draft, are told apart by the same test."""
+    path, dist = small_vocab
+    toks, stats = _sample(path, ALWAYS | {"num_speculative_tokens": 2}, 3000)
+    assert stats.num_draft_tokens > 5000 and stats.num_accepted_tokens > 300 and stats.accepted_per_pos[1] > 0
+    fit = _fit(toks, dist)
+    assert min(fit.values()) > 1e-3, fit
+    hot, _ = _sample(path, None, 3000, temperature=1.2)               # the test has the power to reject
+    assert min(_fit(hot, dist).values()) < 1e-3
+    taken = torch.tensor([[t] + (propose_ngram(PROMPT + [t], 1, 3, 2) + [t, t])[:2] for t in toks[:, 0].tolist()])
+    assert min(_fit(taken, dist).values()) < 1e-3                      # what accepting every draft would give
