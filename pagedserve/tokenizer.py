@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from pagedserve.errors import ParamError
 from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
 
 
@@ -36,15 +37,16 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     """Token ids of the conversation. `chat_template` replaces the model's own (a server's
     --chat-template); `tools` and `template_kwargs` reach the template as variables."""
     if not (chat_template or tokenizer.chat_template):
-        raise ValueError("messages: this model has no chat template; use a plain prompt instead")
+        raise ParamError("messages", "messages: this model has no chat template; use a plain prompt instead")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+            raise ParamError("messages", f"messages[{i}]: each message needs 'role' and 'content'")
     if continue_final_message:
         if add_generation_prompt:
-            raise ValueError("continue_final_message: not with add_generation_prompt")
+            raise ParamError("continue_final_message", "continue_final_message: not with add_generation_prompt")
         if messages[-1]["role"] != "assistant":
-            raise ValueError("continue_final_message: the last message must be the assistant's")
+            raise ParamError("continue_final_message",
+                             "continue_final_message: the last message must be the assistant's")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                         tools=tools, chat_template=chat_template,
                                         continue_final_message=continue_final_message, **template_kwargs)

@@ -42,7 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                       **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}),
                                       **(body.chat_template_kwargs or {}))
     except (ValueError, TypeError) as e:
-        raise RequestError("messages", str(e)) from None
+        raise RequestError(getattr(e, "param", "messages"), str(e)) from None
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream)

@@ -31,12 +31,13 @@ class StateRecorder:
     def __init__(self):
         self.steps: deque[dict] = deque(maxlen=STEPS_KEPT)
         self.ttft_s: deque[float] = deque(maxlen=LATENCIES_KEPT)
-        self.itl_s: deque[float] = deque(maxlen=LATENCIES_KEPT)
-        self.finished_tokens: deque[tuple[float, int]] = deque(maxlen=LATENCIES_KEPT)   # (time, tokens)
+        self.itl_s: deque[float] = deque(maxlen=LATENCIES_KEPT)       # gaps between a stream's outputs
+        self.tpot_s: deque[float] = deque(maxlen=LATENCIES_KEPT)      # a finished request's mean per token
         self._last_step = 0
 
-    def on_step(self, engine, outputs) -> None:
-        """Engine thread, after each step (and after aborts, which add no step record)."""
+    def on_step(self, engine, outputs, samples) -> None:
+        """Engine thread, after each step (and after aborts, which add no step record). `samples`:
+        the step's latencies as /metrics observed them (metrics.LatencySamples), kept as they are."""
         c, s = engine.counters, engine.last_stats
         now = time.monotonic()
         if c.steps != self._last_step:
@@ -49,14 +50,9 @@ class StateRecorder:
                                "prefix_hits": c.prefix_hits, "generated": c.generation_tokens,
                                "draft": s.num_draft_tokens,
                                "draft_accepted": engine.scheduler.spec_stats.num_accepted_tokens})
-        for out in outputs:
-            m = out.metrics
-            if not out.finished or m is None or m.first_token_time is None:
-                continue
-            self.ttft_s.append(m.first_token_time - m.arrival_time)
-            n = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
-            if n > 1 and m.last_token_time is not None:
-                self.itl_s.append((m.last_token_time - m.first_token_time) / (n - 1))
+        self.ttft_s.extend(samples.ttft)
+        self.itl_s.extend(samples.itl)
+        self.tpot_s.extend(samples.tpot)
 
 
 def snapshot(engine, recorder: StateRecorder) -> dict:
@@ -112,7 +108,7 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
         "steps": list(recorder.steps),
         "health": {"prefix_queries": c.prefix_queries, "prefix_hits": c.prefix_hits,
                    "prefix_hit_rate": round(c.prefix_hits / c.prefix_queries, 4) if c.prefix_queries else None,
-                   "ttft_s": _dist(recorder.ttft_s), "itl_s": _dist(recorder.itl_s),
+                   "ttft_s": _dist(recorder.ttft_s), "itl_s": _dist(recorder.itl_s), "tpot_s": _dist(recorder.tpot_s),
                    "generation_tokens": c.generation_tokens, "prompt_tokens": c.prompt_tokens,
                    "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(sch)},
     }

@@ -5,12 +5,25 @@ long prompt arrives" (prefill vs decode tokens per step, inter-token latency his
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 P = "pagedserve:"
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOK = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(slots=True)
+class LatencySamples:
+    """One step's latency observations, made once (here) for /metrics and the dashboard alike.
+    ttft: arrival to the first token; itl: the gap between two outputs of one stream (inter-token
+    latency; several tokens may come in one output); tpot: a finished request's mean time per output
+    token after the first (time per output token)."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
 
 
 class ServerMetrics:
@@ -58,8 +71,10 @@ class ServerMetrics:
         self.blocks_total.set(engine.kv.pool.num_usable_blocks)
         self.blocks_free.set(engine.kv.num_free_blocks)
 
-    def on_step(self, engine, outputs) -> None:
-        """Runs in the engine thread after each step."""
+    def on_step(self, engine, outputs) -> LatencySamples:
+        """Runs in the engine thread after each step; returns the latencies it observed (the dashboard
+        keeps the same samples: one place computes them)."""
+        samples = LatencySamples()
         s, c, sp = engine.last_stats, engine.counters, engine.scheduler.spec_stats
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
@@ -93,32 +108,41 @@ class ServerMetrics:
             prev = self._tok_seen.get(out.request_id)
             m = out.metrics
             if prev is None and n:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
+                samples.ttft.append(m.first_token_time - m.arrival_time)
+                self.ttft.observe(samples.ttft[-1])
                 if m.first_scheduled_time is not None:
                     self.queue.observe(m.first_scheduled_time - m.arrival_time)
             elif prev is not None and n > prev[0]:
-                self.itl.observe(now - prev[1])
+                samples.itl.append(now - prev[1])
+                self.itl.observe(samples.itl[-1])
             if n:
                 self._tok_seen[out.request_id] = (n, now)
             if out.finished:
                 self._tok_seen.pop(out.request_id, None)
-                self.finish(out)
+                tpot = self.finish(out)
+                if tpot is not None:
+                    samples.tpot.append(tpot)
+        return samples
 
     def held(self) -> dict[str, int]:
         """Per-request entries (streams whose last token time is kept for the inter-token histogram);
         metric labels are bounded by the finish reasons."""
         return {"metrics.tok_seen": len(self._tok_seen)}
 
-    def finish(self, out) -> None:
+    def finish(self, out) -> float | None:
+        """Counts a finished request; its TPOT (mean seconds per output token after the first), if any."""
         m = out.metrics
         for o in out.outputs:
             self.success.labels(finished_reason=o.finish_reason or "abort").inc()
         if m is None or m.first_token_time is None:
-            return
+            return None
         self.e2e.observe((m.finished_time or time.monotonic()) - m.arrival_time)
         n = len(out.outputs[0].token_ids)
         if n > 1 and m.last_token_time is not None:
-            self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
+            tpot = (m.last_token_time - m.first_token_time) / (n - 1)
+            self.tpot.observe(tpot)
+            return tpot
+        return None
 
     def refresh(self, engine) -> None:
         """Cheap values read at scrape time (idle engines do not step)."""

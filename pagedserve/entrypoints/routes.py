@@ -90,7 +90,7 @@ async def tokenize(body: TokenizeRequest, http: Request):
             ids = await asyncio.to_thread(apply_chat_template, tok, msgs, body.add_generation_prompt,
                                           chat_template=st.chat_template)
         except (ValueError, TypeError) as e:
-            raise RequestError("messages", str(e)) from None
+            raise RequestError(getattr(e, "param", "messages"), str(e)) from None
     out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)

@@ -9,10 +9,12 @@ import asyncio
 import hmac
 import logging
 import signal
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.config import EngineArgs
@@ -131,10 +133,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _param(_, exc: ParamError):
         return error_response(400, str(exc), exc.param)
 
-    @app.exception_handler(ValueError)
-    async def _value(_, exc: ValueError):
-        return error_response(400, str(exc))
-
     @app.exception_handler(QueueFullError)
     async def _full(_, exc: QueueFullError):
         return error_response(503, str(exc), type_="server_overloaded", headers={"Retry-After": "1"})
@@ -144,9 +142,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"the engine is dead: {exc}", type_="engine_dead")
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
-        log.exception("unhandled error in a request")
-        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
+    async def _internal(http: Request, exc: Exception):
+        """Not a client error (those are ParamError / RequestError, 4xx naming the field): a bug in this
+        request's path. A 500 with an error id that the logged traceback carries too."""
+        error_id = f"err-{uuid.uuid4().hex[:12]}"
+        log.error("unhandled error in %s %s (error id %s)", http.method, http.url.path, error_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return error_response(500, f"internal error (error id {error_id}): {type(exc).__name__}", type_="server_error")
 
 
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
@@ -167,8 +169,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
         state.recorder = recorder = StateRecorder()
 
         def on_step(eng, outs):
-            metrics.on_step(eng, outs)
-            recorder.on_step(eng, outs)
+            recorder.on_step(eng, outs, metrics.on_step(eng, outs))
         aengine.on_step = on_step
     else:
         aengine.on_step = metrics.on_step

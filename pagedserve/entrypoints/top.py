@@ -60,12 +60,13 @@ def render(s: dict, width: int = 100) -> Group:
         line.append(BARS[round(frac * (len(BARS) - 1))], style="red" if x["preempted"] else
                     "yellow" if x["prefill"] else "magenta" if x.get("draft") else "blue")
     ms = [x["step_ms"] for x in steps]
-    lat = h["ttft_s"], h["itl_s"]
+    lat = h["ttft_s"], h["itl_s"], h["tpot_s"]
     fmt = lambda v: "-" if v is None else f"{1e3 * v:.0f} ms"      # noqa: E731
     foot = Text(f"tokens per step vs budget {budget} (yellow: with prefill, magenta: with drafts, red: a preemption) "
                 f"· step ms "
                 f"last {ms[-1] if ms else 0:.1f} max {max(ms) if ms else 0:.1f} · TTFT p50 {fmt(lat[0]['p50'])} "
-                f"p99 {fmt(lat[0]['p99'])} · ITL p50 {fmt(lat[1]['p50'])} p99 {fmt(lat[1]['p99'])}", style="dim")
+                f"p99 {fmt(lat[0]['p99'])} · ITL p50 {fmt(lat[1]['p50'])} p99 {fmt(lat[1]['p99'])} · TPOT p50 "
+                f"{fmt(lat[2]['p50'])} p99 {fmt(lat[2]['p99'])}", style="dim")
     return Group(head, Text("KV blocks (# owned, digit = shared refcount, c cached, . free)", style="dim"), blocks,
                  table, line, foot)
 

@@ -103,6 +103,14 @@ def test_debug_state_matches_the_engine_counters(served):
     assert seen["waiting"] and seen["shared"], seen
     assert any(s["preempted"] for s in snap["steps"]) and any(s["admitted"] for s in snap["steps"])
     assert snap["health"]["ttft_s"]["n"] > 0 and snap["health"]["prefix_hit_rate"] > 0
+    # the same samples as /metrics: ITL = gaps between a stream's outputs, TPOT = each request's mean
+    text = httpx.get(base + "/metrics", headers=H).text
+    count = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.endswith(tuple("0123456789"))
+             and "_count" in ln.split()[0]}
+    for key, name in (("ttft_s", "time_to_first_token_seconds"), ("itl_s", "inter_token_latency_seconds"),
+                      ("tpot_s", "time_per_output_token_seconds")):
+        assert snap["health"][key]["n"] == count[f"pagedserve:{name}_count"], key
+    assert snap["health"]["tpot_s"]["n"] > 0
     spec = httpx.get(base + "/openapi.json").json()
     assert "/debug/state" in spec["paths"]
 
@@ -205,13 +213,14 @@ def test_snapshot_shows_swapped_requests_with_their_host_blocks():
     from pagedserve.entrypoints.dashboard import StateRecorder, snapshot
     llm = LLM(num_kv_blocks=20, block_size=16, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
               dtype="float32")
+    from pagedserve.entrypoints.metrics import LatencySamples
     eng, rec = llm.engine, StateRecorder()
     for i in range(6):
         eng.add_request(f"r{i}", {"prompt_token_ids": list(range(100 + i, 140 + i))},
                         SamplingParams(max_tokens=40, ignore_eos=True))
     seen = None
     while eng.has_unfinished_requests():
-        rec.on_step(eng, eng.step())
+        rec.on_step(eng, eng.step(), LatencySamples())
         snap = snapshot(eng, rec)
         swapped = [r for r in snap["requests"] if r["queue"] == "swapped"]
         if swapped and seen is None:

@@ -83,6 +83,38 @@ def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine
     assert engine.counters.finished.get("error", 0) >= 3
 
 
+def test_a_bug_in_one_requests_path_is_a_500_with_an_error_id_for_it_alone(served, monkeypatch, caplog):
+    """Only ParamError / RequestError are client errors: a plain ValueError (or any exception) raised in
+    a route is a bug, answered 500 with an error id that the logged traceback carries, and the next
+    request, or one running beside it, is served as usual."""
+    import pagedserve.entrypoints.completions as completions
+    real = completions.tokenize_prompts
+
+    def tokenize(st, prompt, field="prompt"):
+        if prompt == "trigger the bug":
+            raise ValueError("an internal invariant broke")
+        return real(st, prompt, field)
+    monkeypatch.setattr(completions, "tokenize_prompts", tokenize)
+    with served() as (base, _), caplog.at_level(logging.ERROR, logger="pagedserve"):
+        beside = threading.Thread(target=lambda: results.append(httpx.post(
+            base + "/v1/completions", headers=H, timeout=60,
+            json={"prompt": "Hello", "max_tokens": 16, "ignore_eos": True})))
+        results: list = []
+        beside.start()
+        r = httpx.post(base + "/v1/completions", headers=H, json={"prompt": "trigger the bug", "max_tokens": 4})
+        beside.join()
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "ValueError" in err["message"]
+        error_id = err["message"].split("error id ")[1].split(")")[0]
+        assert error_id.startswith("err-")
+        logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
+        assert logged and logged[0].exc_info and "an internal invariant broke" in str(logged[0].exc_info[1])
+        assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] == 16
+        ok = httpx.post(base + "/v1/completions", headers=H, json={"prompt": "Hello", "max_tokens": 3})
+        assert ok.status_code == 200
+
+
 def test_request_timeout_is_408(served):
     with served(request_timeout_s=0.5) as (base, _):
         t = time.time()
