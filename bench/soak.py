@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import random
+import shlex
 import sys
 import time
 
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
         srv, base = serve(["--num-kv-blocks", str(a.num_kv_blocks), "--max-num-seqs", "16",
                            "--preemption-mode", a.preemption_mode, "--swap-space", "0.05",
                            "--kv-cache-dtype", a.kv_cache_dtype, *([a.model] if a.model else []),
-                           *a.serve_args.split()])
+                           *shlex.split(a.serve_args)])
     try:
         rss0 = rss_bytes(srv.pid) if srv else None
         run = asyncio.run(soak(base, a, srv.pid if srv else None))
