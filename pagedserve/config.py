@@ -42,7 +42,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(SPEC_KEYS))
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(SPEC_KEYS)})")
-        method = value.get("method", "ngram" if "model" not in value else "draft_model")
+        method = value.get("method", "ngram")
         if method == "draft_model" or "model" in value:
             raise ValueError("speculative_config.method: 'draft_model' (a draft model) is not implemented; "
                              f"supported: {', '.join(SPEC_METHODS)}")

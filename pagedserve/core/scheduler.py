@@ -135,20 +135,30 @@ class Scheduler:
                             and self.requests[s.request_id].grammar is not None)
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
         return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
-                               num_admitted=len(plan) - num_running,
-                               num_draft_tokens=sum(len(d) for d in drafts.values()))
+                               num_admitted=len(plan) - num_running)
 
     def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
         """Speculative decoding: draft tokens for the step's decodes, from what is left of the token
         budget once every running and admitted sequence has its share (drafts never delay a prompt),
-        as spec_decode.choose_drafts decides. Not for sequences a grammar constrains (their masks are
-        made for one token), nor a request's first token while it still has to fork (n > 1)."""
-        spec, cost, cands = self.spec, self.spec_cost, []
+        as spec_decode.choose_drafts decides; only where the slots allocate (drafts never preempt).
+        A step without drafts lets the engine-wide acceptance prior drift back (AcceptancePrior)."""
         base_tokens = sum(1 for req, n in plan if req.num_computed_tokens + n >= req.num_tokens)
         base_rows = sum(n for _, n in plan)
-        if cost is not None and (base_tokens + 1) * cost(base_rows) <= base_tokens * cost(base_rows + 1):
-            self.spec_prior.idle_step()           # not even a sure draft token pays for its row: no lookups
-            return {}
+        cost, out = self.spec_cost, {}
+        # no lookups when not even a sure draft token pays for its row
+        if cost is None or (base_tokens + 1) * cost(base_rows) > base_tokens * cost(base_rows + 1):
+            cands = self._candidates(plan)
+            for i, k in choose_drafts(cands, base_rows, base_tokens, cost, budget).items():
+                if self.kv.allocate_slots(cands[i].request, 1 + k):
+                    out[cands[i].request.request_id] = tuple(cands[i].draft[:k])
+        if not out:
+            self.spec_prior.idle_step()
+        return out
+
+    def _candidates(self, plan: list[tuple[Request, int]]) -> list[Candidate]:
+        """The step's decodes that have a proposal. Not sequences a grammar constrains (their masks are
+        made for one token), nor a request's first token while it still has to fork (n > 1)."""
+        spec, cands = self.spec, []
         for req, n in plan:
             past_prompt = req.num_computed_tokens + 1 == req.num_tokens
             if n != 1 or not past_prompt or req.grammar is not None or req.num_pending_forks:
@@ -158,17 +168,7 @@ class Scheduler:
             draft = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
             if draft:
                 cands.append(Candidate(req, draft, self.spec_prior.of(req)))
-        if not cands:
-            self.spec_prior.idle_step()
-            return {}
-        out = {}
-        for i, k in choose_drafts(cands, base_rows, base_tokens, cost, budget).items():
-            c = cands[i]
-            if self.kv.allocate_slots(c.request, 1 + k):    # no room: this sequence does not draft (never preempts)
-                out[c.request.request_id] = tuple(c.draft[:k])
-        if not out:
-            self.spec_prior.idle_step()
-        return out
+        return cands
 
     def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
         """The step's record of one sequence; advances its progress counters (past its draft tokens

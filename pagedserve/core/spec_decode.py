@@ -1,5 +1,6 @@
 """Speculative decoding's plain-Python half: the n-gram proposer and the per-step rule that decides
-how many draft tokens each running sequence computes. The runner verifies (runner/spec_verify.py).
+how many draft tokens each running sequence computes. The sampler verifies (runner/sampler.py:
+accepted_run).
 
 The rule (adaptive): a draft token is worth its row when the tokens it is expected to add raise the
 step's tokens per second. For sequence j with acceptance estimate a_j, its i-th draft token is
@@ -15,9 +16,8 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
+from itertools import accumulate
 from dataclasses import dataclass, field
-
-from pagedserve.config import SpeculativeConfig
 
 PRIOR_ACCEPTANCE = 0.6      # the engine-wide estimate at start, and where it drifts back to while nothing drafts
 DECAY = 0.8                 # per verified draft of a sequence: older outcomes weigh less (its text changes)
@@ -49,10 +49,14 @@ def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int
 @dataclass(slots=True)
 class StepCostTable:
     """Step seconds by rows computed, measured at start-up; piecewise linear between the measured
-    points, extended past the last one by the last slope."""
+    points, extended past the last one by the last slope. Non-decreasing in rows: a step of more rows
+    never costs less, so a lower reading is noise and is raised to the one before it."""
 
     rows: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seconds = list(accumulate(self.seconds, max))
 
     def __call__(self, r: int) -> float:
         rows, sec = self.rows, self.seconds
@@ -77,16 +81,6 @@ class Candidate:
     request: object                 # core.request.Request
     draft: list[int]
     acceptance: float
-
-
-def monotone(seconds: list[float]) -> list[float]:
-    """Measured step times made non-decreasing in rows (a step of more rows never costs less; a
-    lower reading is noise)."""
-    out, hi = [], 0.0
-    for t in seconds:
-        hi = max(hi, t)
-        out.append(hi)
-    return out
 
 
 def choose_drafts(cands: list[Candidate], base_rows: int, base_tokens: int, cost: StepCostTable | None,
@@ -114,12 +108,15 @@ def choose_drafts(cands: list[Candidate], base_rows: int, base_tokens: int, cost
     return out
 
 
+def _decayed(tried: float, accepted: float, decay: float, num_draft: int, num_accepted: int) -> tuple[float, float]:
+    """Decayed (tried, accepted) counts after one verified draft: the accepted tokens were tried, and
+    so was the first rejected one, which ends the run (the rest were never tried)."""
+    return tried * decay + num_accepted + (num_accepted < num_draft), accepted * decay + num_accepted
+
+
 def update_acceptance(req, num_draft: int, num_accepted: int) -> None:
-    """A sequence's acceptance estimate after one verified draft: accepted tokens over the tokens
-    that were tried (the first rejected one ends the run, the rest were never tried)."""
-    tried = num_accepted + (num_accepted < num_draft)
-    req.spec_tried = req.spec_tried * DECAY + tried
-    req.spec_accepted = req.spec_accepted * DECAY + num_accepted
+    """A sequence's own acceptance counts after one of its drafts was verified."""
+    req.spec_tried, req.spec_accepted = _decayed(req.spec_tried, req.spec_accepted, DECAY, num_draft, num_accepted)
 
 
 @dataclass(slots=True)
@@ -136,8 +133,7 @@ class AcceptancePrior:
         return (self.accepted + 4 * PRIOR_ACCEPTANCE) / (self.tried + 4)
 
     def update(self, num_draft: int, num_accepted: int) -> None:
-        self.tried = self.tried * GLOBAL_DECAY + num_accepted + (num_accepted < num_draft)
-        self.accepted = self.accepted * GLOBAL_DECAY + num_accepted
+        self.tried, self.accepted = _decayed(self.tried, self.accepted, GLOBAL_DECAY, num_draft, num_accepted)
 
     def idle_step(self) -> None:
         self.tried *= 1 - DRIFT
@@ -168,5 +164,5 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
-__all__ = ["SpeculativeConfig", "propose_ngram", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance",
-           "AcceptancePrior", "SpecStats", "monotone"]
+__all__ = ["propose_ngram", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
+           "SpecStats"]

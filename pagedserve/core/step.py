@@ -101,7 +101,6 @@ class SchedulerOutput:
     grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
     num_admitted: int = 0                      # waiting requests that joined the batch this step
-    num_draft_tokens: int = 0                  # speculative decoding: draft tokens computed this step
 
     def for_workers(self) -> SchedulerOutput:
         """The record broadcast to tensor-parallel ranks > 0: everything the forward and the LM head
@@ -112,6 +111,11 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         """Tokens of sequences past their prompt: one each, and a speculative one's drafts."""
         return sum(s.num_tokens for s in self.seqs if s.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative decoding: draft tokens computed this step."""
+        return sum(s.num_draft for s in self.seqs)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -13,7 +13,7 @@ from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import StepCostTable, monotone
+from pagedserve.core.spec_decode import StepCostTable
 from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
@@ -97,47 +97,40 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.spec = SpeculativeConfig.parse(args.speculative_config)
-        if self.spec is not None:
-            self.scheduler.spec = self.spec
-            if self.spec.adaptive:
-                self.scheduler.spec_cost = cost = self._measure_step_costs()
-                log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s", self.spec.method,
-                         self.spec.num_speculative_tokens,
-                         " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()))
-            else:
-                log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)",
-                         self.spec.method, self.spec.num_speculative_tokens)
+        spec = self.scheduler.spec = SpeculativeConfig.parse(args.speculative_config)
+        if spec is not None and spec.adaptive:
+            self.scheduler.spec_cost = cost = self._measure_step_costs(spec.num_speculative_tokens)
+            log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s", spec.method,
+                     spec.num_speculative_tokens, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()))
+        elif spec is not None:
+            log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)", spec.method,
+                     spec.num_speculative_tokens)
 
-    def _measure_step_costs(self) -> StepCostTable:
+    def _measure_step_costs(self, k: int) -> StepCostTable:
         """Step seconds by rows, on this host, for the drafting rule: one sequence of R tokens whose
-        rows all sample (a verification's shape), R from 1 (a decode) up to the most rows a step of
-        drafts reaches; the best of two runs. The blocks it writes are taken from the pool and given
-        back before any request exists."""
-        a, k = self.args, self.spec.num_speculative_tokens
+        rows all sample (a verification's shape: a decode and R - 1 drafts), R from 1 up to the most
+        rows a step of k drafts per sequence reaches; the best of two runs, after one warm-up. The
+        blocks it writes are taken from the pool and given back before any request exists."""
+        a = self.args
         top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
         grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
-        points = sorted({r for r in grid if r <= top} | {top})
+        rows = sorted({r for r in grid if r <= top} | {top})
         blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(top))
         ids = tuple(b.block_id for b in blocks)
         row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
-        table = StepCostTable()
+
+        def run(r: int) -> float:
+            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=r - 1),))
+            t0 = time.perf_counter()
+            self.executor.execute(so)
+            return time.perf_counter() - t0
         try:
-            for r in [1] + points:                # the first run warms up
-                so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=r - 1),))
-                best = float("inf")
-                for _ in range(2):
-                    t0 = time.perf_counter()
-                    self.executor.execute(so)
-                    best = min(best, time.perf_counter() - t0)
-                if not table.rows or r > table.rows[-1]:
-                    table.rows.append(r)
-                    table.seconds.append(best)
+            run(1)
+            seconds = [min(run(r), run(r)) for r in rows]
         finally:
             self.kv.pool.free_blocks(blocks)
             self.runner.sampler.forget("spec-profile")
-        table.seconds = monotone(table.seconds)
-        return table
+        return StepCostTable(rows, seconds)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""

@@ -48,8 +48,7 @@ class StateRecorder:
                                "running": s.num_running, "waiting": s.num_waiting,
                                "kv_usage": round(s.kv_usage, 4), "prefix_queries": c.prefix_queries,
                                "prefix_hits": c.prefix_hits, "generated": c.generation_tokens,
-                               "draft": s.num_draft_tokens,
-                               "draft_accepted": engine.scheduler.spec_stats.num_accepted_tokens})
+                               "draft": s.num_draft_tokens})
         self.ttft_s.extend(samples.ttft)
         self.itl_s.extend(samples.itl)
         self.tpot_s.extend(samples.tpot)

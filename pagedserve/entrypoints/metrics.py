@@ -65,8 +65,7 @@ class ServerMetrics:
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
                               "tokens by their position in the draft (0 = first)", labelnames=["position"])
-        self._spec_pos: list[int] = []
-        self._last = dict(q=0, h=0, p=0, pt=0, gt=0, sd=0, sdt=0, sa=0)
+        self._last: dict = {}                    # the engine's running total each counter was last advanced to
         self._tok_seen: dict[str, tuple[int, float]] = {}
         self.blocks_total.set(engine.kv.pool.num_usable_blocks)
         self.blocks_free.set(engine.kv.num_free_blocks)
@@ -82,21 +81,15 @@ class ServerMetrics:
         self.blocks_free.set(s.num_free_blocks)
         self.blocks_cached.set(s.num_cached_blocks)
         self.kv_usage.set(s.kv_usage)
-        for key, counter, value in (("q", self.prefix_queries, c.prefix_queries), ("h", self.prefix_hits, c.prefix_hits),
-                                    ("p", self.preemptions, c.preemptions), ("pt", self.prompt_tokens, c.prompt_tokens),
-                                    ("gt", self.generation_tokens, c.generation_tokens),
-                                    ("sd", self.spec_drafts, sp.num_drafts), ("sdt", self.spec_draft_tokens,
-                                                                              sp.num_draft_tokens),
-                                    ("sa", self.spec_accepted, sp.num_accepted_tokens)):
-            if value > self._last[key]:
-                counter.inc(value - self._last[key])
-                self._last[key] = value
-        for pos, n in enumerate(sp.accepted_per_pos):
-            if pos == len(self._spec_pos):
-                self._spec_pos.append(0)
-            if n > self._spec_pos[pos]:
-                self.spec_per_pos.labels(position=str(pos)).inc(n - self._spec_pos[pos])
-                self._spec_pos[pos] = n
+        totals = [(self.prefix_queries, c.prefix_queries), (self.prefix_hits, c.prefix_hits),
+                  (self.preemptions, c.preemptions), (self.prompt_tokens, c.prompt_tokens),
+                  (self.generation_tokens, c.generation_tokens), (self.spec_drafts, sp.num_drafts),
+                  (self.spec_draft_tokens, sp.num_draft_tokens), (self.spec_accepted, sp.num_accepted_tokens)]
+        totals += [(self.spec_per_pos.labels(position=str(i)), n) for i, n in enumerate(sp.accepted_per_pos)]
+        for counter, value in totals:            # prometheus counters advance by the engine totals' deltas
+            if value > self._last.get(counter, 0):
+                counter.inc(value - self._last.get(counter, 0))
+                self._last[counter] = value
         if s.num_prefill_tokens:
             self.step_prefill.observe(s.num_prefill_tokens)
         if s.num_decode_tokens:

@@ -56,7 +56,7 @@ class AttentionMetadata:
     prefill_cu_q: torch.Tensor | None = None            # (P + 1,) long
     prefill_context_lens: torch.Tensor | None = None    # (P,) long
     native: bool = False                                 # the C kernels read the cache (decode rows)
-    native_prefill: bool = False                         # ... and the prefill chunks (kernels.native_prefill_pays)
+    native_prefill: bool = False                         # ... and prefill chunks (kernels.native_prefill_pays)
 
     @property
     def num_prefills(self) -> int:
@@ -98,10 +98,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: 
         if d:
             decode_attention(q32[:d], kv, md, scale, out[:d], window)
         if md.num_prefills:
-            if md.native_prefill:
-                prefill_attention(q32[d:], kv, md, scale, out[d:], window)
-            else:
-                out[d:] = prefill_attention(q32[d:], kv, md, scale, None, window, native=False)
+            prefill_attention(q32[d:], kv, md, scale, out[d:], window)
         return out.to(q.dtype)
     out = torch.empty_like(q)
     if d:
@@ -145,11 +142,12 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, causal: bool = F
 
 def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None, window: int = 0,
                       softcap: float | None = None, native: bool | None = None) -> torch.Tensor:
-    """All prefill chunks of the step; q holds their rows only."""
-    if md.native if native is None else native:
+    """All prefill chunks of the step; q holds their rows only (written into `out` when given). native
+    None: the C kernel where md.native_prefill says it pays, else SDPA over each gathered context."""
+    if md.native_prefill if native is None else native:
         return kernels.paged_prefill_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.prefill_block_tables,
                                                md.prefill_cu_q, md.prefill_context_lens, scale, out, window=window)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bs = kv.k.shape[1]
     cu = md.prefill_cu_q.tolist()
     for p, (q_len, n) in enumerate(md.prefill_shapes()):

@@ -105,18 +105,15 @@ class ModelRunner:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
             blocks = s.block_ids
+            ctx = start + n
+            ids.extend(s.token_ids)
+            pos.extend(range(start, ctx))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
             if s.is_decode:            # with drafts: one decode row per token, each seeing one position more
                 assert not pre_lens, "decode rows come before prefill chunks"
-                ids.extend(s.token_ids)
-                pos.extend(range(start, start + n))
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
                 dec_tables.extend([blocks] * n)
-                dec_lens.extend(range(start + 1, start + n + 1))
+                dec_lens.extend(range(start + 1, ctx + 1))
             else:
-                ctx = start + n
-                ids.extend(s.token_ids)
-                pos.extend(range(start, ctx))
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
                 pre_tables.append(blocks[: -(-ctx // bs)])
                 pre_lens.append(ctx)
                 cu_q.append(cu_q[-1] + n)
@@ -184,8 +181,7 @@ class ModelRunner:
             for row, smp in zip(sample_rows, samples):
                 out.sampled.setdefault(row.request_id, []).append(smp)
             for rid, draft in drafts.items():
-                out.sampled[rid] = run = accepted_run(draft, out.sampled[rid])
-                self.sampler.rewind(rid, len(run))
+                out.sampled[rid] = self.sampler.verify(rid, draft, out.sampled[rid])
         t3 = time.perf_counter()
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, t3 - t2
         return out
@@ -199,22 +195,6 @@ def _draft_rows(row: SamplingRow, draft: tuple[int, ...]) -> list[SamplingRow]:
         rows.append(replace(row, num_output_tokens=row.num_output_tokens + i,
                             history=row.history + draft[:i] if row.history else ()))
     return rows
-
-
-def accepted_run(draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
-    """Verification. samples[i] was drawn from the target's distribution after draft tokens 1..i;
-    draft i + 1 is accepted when samples[i] is that token, and the first sample that differs (or the
-    last, after all k are accepted) ends the run. For a draft that proposes one token with certainty
-    (n-gram lookup: q = 1 on it) this is exactly rejection sampling: accept with min(1, p/q) = p(d),
-    else draw from max(p - q, 0) renormalised = p without d, which is what a sample from p that is
-    not d is. Greedy rows take the argmax: the output is the one decoding without drafts gives."""
-    run = []
-    for d, smp in zip(draft, samples):
-        run.append(smp)
-        if smp.token_id != d:
-            return run
-    run.append(samples[len(draft)])
-    return run
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> dict[str, list[dict[int, Logprob]]]:

@@ -33,13 +33,16 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.req_generators.pop(request_id, None)
 
-    def rewind(self, request_id: str, used: int) -> None:
-        """A speculative sequence used only its first `used` rows' draws: its generator goes back to
-        just after them, so a seeded request draws the same numbers for the same tokens however many
-        drafts each step verified (its output does not depend on the drafting)."""
+    def verify(self, request_id: str, draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
+        """A speculative sequence's tokens from this call's samples of its rows (accepted_run). A seeded
+        one's generator then goes back to just after the draws of the rows it used, so it draws the same
+        numbers for the same tokens however many drafts each step verified: its output does not depend
+        on the drafting."""
+        run = accepted_run(draft, samples)
         states = self.draw_states.pop(request_id, None)
-        if states is not None and used < len(states):
-            self.req_generators[request_id].set_state(states[used])
+        if states is not None and len(run) < len(states):
+            self.req_generators[request_id].set_state(states[len(run)])
+        return run
 
     def held(self) -> dict[str, int]:
         return {"sampler.req_generators": len(self.req_generators)}
@@ -56,7 +59,7 @@ class Sampler:
                  masks: tuple[list[int], np.ndarray] | None = None, keep_states=()) -> list[SampledToken]:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
         masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains.
-        keep_states: request ids whose seeded draws may be rewound after (speculative rows)."""
+        keep_states: request ids whose seeded draws verify() may rewind (speculative rows)."""
         self.draw_states.clear()
         params = [r.params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -133,6 +136,22 @@ class Sampler:
                 u[i].uniform_(generator=g)
         sampled = (probs / u.log_().neg_()).argmax(dim=-1)
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+
+
+def accepted_run(draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
+    """Verification. samples[i] was drawn from the target's distribution after draft tokens 1..i;
+    draft i + 1 is accepted when samples[i] is that token, and the first sample that differs (or the
+    last, after all k are accepted) ends the run. For a draft that proposes one token with certainty
+    (n-gram lookup: q = 1 on it) this is exactly rejection sampling: accept with min(1, p/q) = p(d),
+    else draw from max(p - q, 0) renormalised = p without d, which is what a sample from p that is
+    not d is. Greedy rows take the argmax: the output is the one decoding without drafts gives."""
+    run = []
+    for d, smp in zip(draft, samples):
+        run.append(smp)
+        if smp.token_id != d:
+            return run
+    run.append(samples[len(draft)])
+    return run
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

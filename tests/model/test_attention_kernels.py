@@ -113,7 +113,7 @@ def test_native_and_torch_paths_agree_on_a_mixed_step(dt):
     common = dict(slot_mapping=None, num_decodes=3, decode_block_tables=bt[:3], decode_context_lens=torch.tensor(dec),
                   prefill_block_tables=bt[3:], prefill_cu_q=cu, prefill_context_lens=torch.tensor([30, 52]))
     q = torch.randn(3 + 50, nh, hd, generator=g)
-    a = paged_attention(q, layer, AttentionMetadata(**common, native=True), 0.125)
+    a = paged_attention(q, layer, AttentionMetadata(**common, native=True, native_prefill=True), 0.125)
     b = paged_attention(q, layer, AttentionMetadata(**common, native=False), 0.125)
     assert (a - b).abs().max().item() < 2e-5
 
