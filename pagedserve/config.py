@@ -99,6 +99,9 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=1024, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=64, metadata=_h("most requests running at once"))
     enable_prefix_caching: bool = field(default=True, metadata=_h("reuse cached KV blocks of shared prefixes"))
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_h(
+        "one block table for every layer even when layers differ in attention window (Gemma, Qwen with "
+        "max_window_layers): the KV behind a window is kept, as for full attention (vLLM's flag)"))
     enable_chunked_prefill: bool = field(default=True, metadata=_h("split long prompts across steps"))
     long_prefill_token_threshold: int = field(default=256, metadata=_h("chunk limit: most prompt tokens one request computes per step"))
     preemption_mode: str = field(default="recompute", metadata=_h("recompute | swap, when the KV pool is full"))

@@ -14,6 +14,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from pagedserve.core.kv_layout import KVLayout
+
 MiB, GiB = 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 # bytes stored per token and kv head beside the values: pagedserve's int8 KV cache keeps one float32
@@ -69,10 +71,14 @@ def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size
     per_layer_block = per_tok // layers * block_size
     block_bytes = per_tok * block_size
     window_blocks = -(-(sliding_window - 1) // block_size) + 1 if sliding_window else 0   # W - 1 back + this one
+    # the engine's layout (core/kv_layout.py): layer planes per kind of group, padding included
+    layout = KVLayout.of([0] * (layers - sliding_layers) + [sliding_window] * sliding_layers)
+    full_planes = layout.planes * sum(1 for w in layout.windows if not w)
     reqs = []
     for L in lengths:
         blocks = -(-L // block_size)
-        windowed = per_layer_block * ((layers - sliding_layers) * blocks + sliding_layers * min(blocks, window_blocks))
+        windowed = per_layer_block * (full_planes * blocks + (layout.planes * layout.num_groups - full_planes)
+                                      * min(blocks, window_blocks))
         reqs.append(RequestPlan(L, blocks, blocks * block_bytes, L * per_tok, blocks * block_bytes - L * per_tok,
                                 max(max_len, L) * per_tok, windowed))
     fit_p = fit_c = None
@@ -113,9 +119,11 @@ def render(p: KVPlan) -> str:
     if p.sliding_window:
         win = sum(r.windowed_bytes for r in p.requests)
         beyond = p.bytes_per_token * (p.layers - p.sliding_layers) // p.layers
+        layout = KVLayout.of([0] * (p.layers - p.sliding_layers) + [p.sliding_window] * p.sliding_layers)
         lines.append(f"with the blocks behind the {p.sliding_window:,}-token window of {p.sliding_layers} of {p.layers} "
                      f"layers given back: {_size(win)} ({100 * win / max(1, p.total_allocated_bytes):.1f}% of paged); "
-                     f"bytes per token beyond the window {p.bytes_per_token:,} -> {beyond:,}")
+                     f"bytes per token beyond the window {p.bytes_per_token:,} -> {beyond:,}; block tables per group "
+                     f"of layers: {layout.describe()}")
     if p.budget_bytes is not None:
         lines.append(f"in {_size(p.budget_bytes)}: {p.fit_paged:,} requests of {p.fit_len:,} tokens fit paged, "
                      f"{p.fit_contiguous:,} with contiguous {p.contiguous_max_len:,}-token reservations")

@@ -1,8 +1,9 @@
 """KVCacheManager: which blocks each request holds. Prefix caching (chained block hashes), sharing
-by fork with copy-on-write of a partial block, a host-memory swap tier, and sliding windows: when
-every layer attends to the last W positions only (Mistral, Mixtral, Phi-3 with sliding_window), a
-block whose positions all lie behind the window of the next token goes back to the pool while the
-request runs, and the null block takes its place in the table (the kernels never read it)."""
+by fork with copy-on-write of a partial block, a host-memory swap tier, and sliding windows: a group
+of layers that attends to the last W positions only (every layer of Mistral, Mixtral, Phi-3 with
+sliding_window; 5 of 6 of Gemma 3's) gives back each block whose positions all lie behind the window
+of the next token while the request runs, and the null block takes its place in that group's table
+(the kernels never read it). Groups of layers: core/kv_layout.py."""
 from __future__ import annotations
 
 from collections import deque
@@ -30,8 +31,15 @@ class BlockOps:
 
 
 class KVCacheManager:
+    """Per request, one block list per group of layers (core/kv_layout.py): one group for a model
+    whose layers all see the same window (the Llama case), several for a model that mixes sliding and
+    full layers. All groups take their blocks from the one pool and advance together: each holds a
+    block for every block_size tokens of the request, except that a sliding group's blocks wholly
+    behind its window go back to the pool (the null block stands in for them)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, reserve_tokens: int | None = None, sliding_window: int = 0):
+                 num_host_blocks: int = 0, reserve_tokens: int | None = None, sliding_window: int = 0,
+                 windows: tuple[int, ...] | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -39,13 +47,13 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # contiguous policy: reserve this many tokens' worth of blocks at admission (None = paged)
         self.reserve_tokens = reserve_tokens
-        # > 0: every layer sees only the last sliding_window positions (0: some layer sees them all)
-        self.sliding_window = sliding_window
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # per group of layers: 0 full attention, W > 0 the last W positions only (KVLayout.windows)
+        self.windows: tuple[int, ...] = tuple(windows) if windows is not None else (sliding_window,)
+        self.req_blocks: dict[str, list[list[KVBlock]]] = {}   # request -> a block list per group
         self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
         self.host_free: deque[int] = deque(range(num_host_blocks))
         self.num_host_blocks = num_host_blocks
-        self.swapped: dict[str, list[int]] = {}            # request -> host blocks, in order
+        self.swapped: dict[str, list[list[int | None]]] = {}   # request -> host blocks per group, in order
         self.ops = BlockOps()
         self.prefix_queries = 0                            # tokens looked up in the prefix cache
         self.prefix_hits = 0                               # tokens found there
@@ -65,19 +73,39 @@ class KVCacheManager:
                 "kv.swapped": len(self.swapped), "kv.host_blocks_taken": self.num_host_blocks - len(self.host_free)}
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks of one group that num_tokens positions fill."""
         return -(-num_tokens // self.block_size)
 
+    def _window_blocks(self, window: int, max_chunk: int) -> int:
+        """The most blocks a group sliding over `window` holds at once: the last W - 1 positions and
+        the step's chunk are live (+1: they may straddle a block edge)."""
+        return self.blocks_needed(window - 1 + max_chunk) + 1
+
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks a request of num_tokens ever holds at once; behind a sliding window only
-        the last W - 1 positions and the step's chunk are live (+1: they may straddle a block edge)."""
+        """The most blocks (all groups together) a request of num_tokens ever holds at once."""
         full = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
-        if not self.sliding_window:
-            return full
-        return min(full, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+        return sum(min(full, self._window_blocks(w, max_chunk)) if w else full for w in self.windows)
+
+    def new_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks (all groups) that num_tokens more positions take from the pool, at most."""
+        n = self.blocks_needed(num_tokens)
+        return sum(min(n, self._window_blocks(w, num_tokens)) if w else n for w in self.windows)
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The request's block table as the runner gets it (derived from the blocks it holds)."""
-        return tuple(b.block_id for b in self.req_blocks.get(request_id, ()))
+        """The first group's block table (the only one of a model whose layers all see the same window)."""
+        return tuple(b.block_id for b in self.req_blocks[request_id][0]) if request_id in self.req_blocks else ()
+
+    def block_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's block table per group, as the runner gets them (derived from the blocks held)."""
+        groups = self.req_blocks.get(request_id)
+        if groups is None:
+            return tuple(() for _ in self.windows)
+        return tuple(tuple(b.block_id for b in blocks) for blocks in groups)
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Pool blocks the request holds, all groups (the null block behind a window not counted)."""
+        null = self.pool.null_block
+        return sum(b is not null for blocks in self.req_blocks.get(request_id, ()) for b in blocks)
 
     def num_shared_savings(self) -> int:
         """Blocks that sharing (forks, prefix hits) saved: sum of (refcount - 1) over shared blocks."""
@@ -88,27 +116,49 @@ class KVCacheManager:
         return ops
 
     # ------------------------------------------------------------ prefix cache
+    def _key(self, group: int, block_hash: int) -> int:
+        """Each group caches its own copy of a block's keys and values: the cache key names the group."""
+        return block_hash if group == 0 else hash((group, block_hash))
+
+    def _dead(self, window: int, position: int) -> int:
+        """Leading blocks wholly behind the window of a token at `position` (it sees position - W + 1 on)."""
+        return max(0, position - window + 1) // self.block_size if window else 0
+
     def _ensure_hashes(self, req: Request, upto_tokens: int) -> None:
         bs, hashes = self.block_size, req.block_hashes
         for i in range(len(hashes), upto_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of full blocks, capped at num_tokens - 1 so the last token is
-        always computed (its logits are needed). A request still owed prompt logprobs (or pooling over
-        more than its last token) gets no hit: its prompt is recomputed (its blocks still enter the
-        cache for others), since the logits / hidden states of a cached prefix were never kept."""
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
+        """The longest cached prefix of full blocks (per group), capped at num_tokens - 1 so the last
+        token is always computed (its logits are needed). A hit of m blocks needs, in a full group, all
+        m cached; in a sliding group only those the next token's window reaches (the ones behind it
+        are the null block in the table). A request still owed prompt logprobs (or pooling over more
+        than its last token) gets no hit: its prompt is recomputed (its blocks still enter the cache
+        for others), since the logits / hidden states of a cached prefix were never kept."""
         if not self.enable_caching or owes_prompt_logprobs(req) or owes_pooling(req):
-            return [], 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        self._ensure_hashes(req, max_blocks * self.block_size)
-        hit: list[KVBlock] = []
-        for h in req.block_hashes[:max_blocks]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hit.append(b)
-        return hit, len(hit) * self.block_size
+            return [[] for _ in self.windows], 0
+        bs, lookup = self.block_size, self.pool.lookup
+        max_blocks = (req.num_tokens - 1) // bs
+        self._ensure_hashes(req, max_blocks * bs)
+        hashes = req.block_hashes[:max_blocks]
+        m = max_blocks
+        for g, w in enumerate(self.windows):
+            if not w:                      # full attention: the leading run of cached blocks
+                m = next((i for i in range(m) if lookup(self._key(g, hashes[i])) is None), m)
+        ok = [True] * (m + 1)              # ok[i]: a hit of i blocks serves every sliding group
+        for g, w in enumerate(self.windows):
+            if w:
+                run = 0                    # cached blocks ending at block i - 1
+                for i in range(1, m + 1):
+                    run = run + 1 if lookup(self._key(g, hashes[i - 1])) is not None else 0
+                    ok[i] = ok[i] and run >= i - self._dead(w, i * bs)
+        m = max(i for i in range(m + 1) if ok[i])
+        hit = []
+        for g, w in enumerate(self.windows):
+            dead = self._dead(w, m * bs)
+            hit.append([self.pool.null_block] * dead + [lookup(self._key(g, hashes[i])) for i in range(dead, m)])
+        return hit, m * bs
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counted once per admission (not per retry of a request that had to keep waiting)."""
@@ -118,50 +168,49 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[KVBlock] | None = None) -> bool:
+                       computed: list[list[KVBlock]] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the prefix hit
-        `computed`, when admitting). False, with nothing changed (but the blocks behind a sliding
-        window returned: they are dead either way), if the pool cannot provide it."""
-        computed = computed or []
-        held = self.req_blocks.get(req.request_id, [])
-        if self.sliding_window and held:
-            self._free_behind_window(held, req.num_computed_tokens)
-        if self.sliding_window and computed:       # a prefix hit: what lies behind the window is not taken
-            dead = max(0, len(computed) * self.block_size - self.sliding_window + 1) // self.block_size
-            computed = [self.pool.null_block] * dead + computed[dead:]
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        `computed`, per group, when admitting). False, with nothing changed (but the blocks behind a
+        sliding window returned: they are dead either way), if the pool cannot provide it."""
+        G = len(self.windows)
+        computed = computed or [[] for _ in range(G)]
+        rid = req.request_id
+        held = self.req_blocks.get(rid) or [[] for _ in range(G)]
+        for w, blocks in zip(self.windows, held):
+            if w and blocks:
+                self._free_behind_window(blocks, w, req.num_computed_tokens)
+        num_computed = req.num_computed_tokens + len(computed[0]) * self.block_size
         total_tokens = num_computed + num_new_tokens
         if self.reserve_tokens is not None:
             total_tokens = max(total_tokens, self.reserve_tokens)
-        need_new = max(0, self.blocks_needed(total_tokens) - len(held) - len(computed))
-        cow = self._needs_cow(held, num_computed) and num_new_tokens > 0
-        revived = sum(1 for b in computed if b.ref_cnt == 0)   # touching these takes them off the free queue
-        if need_new + cow + revived > self.pool.num_free_blocks:
+        need_new = [max(0, self.blocks_needed(total_tokens) - len(h) - len(c)) for h, c in zip(held, computed)]
+        cow = [self._needs_cow(h, num_computed) and num_new_tokens > 0 for h in held]
+        revived = sum(1 for c in computed for b in c if b.ref_cnt == 0)  # touching these takes them off the free queue
+        if sum(need_new) + sum(cow) + revived > self.pool.num_free_blocks:
             return False
-        rid = req.request_id
         if rid not in self.req_blocks:
-            self.req_blocks[rid], self.num_hashed[rid] = [], 0
-        blocks = self.req_blocks[rid]
-        if computed:
-            self.pool.touch(computed)
-            blocks.extend(computed)
-            self.num_hashed[rid] = len(blocks)
-        if cow:
-            old = blocks[-1]
-            new = self.pool.get_new_blocks(1)[0]
-            self.ops.copy.append((old.block_id, new.block_id))
-            self.pool.free_blocks([old])
-            blocks[-1] = new
-        if need_new:
-            fresh = self.pool.get_new_blocks(need_new)
-            blocks.extend(fresh)
+            self.req_blocks[rid], self.num_hashed[rid] = held, 0
+        if computed[0]:                    # the hit's blocks are cached already
+            self.num_hashed[rid] = len(held[0]) + len(computed[0])
+        for blocks, hit, n, c in zip(held, computed, need_new, cow):
+            if hit:
+                self.pool.touch(hit)
+                blocks.extend(hit)
+            if c:
+                old = blocks[-1]
+                new = self.pool.get_new_blocks(1)[0]
+                self.ops.copy.append((old.block_id, new.block_id))
+                self.pool.free_blocks([old])
+                blocks[-1] = new
+            if n:
+                blocks.extend(self.pool.get_new_blocks(n))
         self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
-    def _free_behind_window(self, blocks: list[KVBlock], num_computed: int) -> None:
+    def _free_behind_window(self, blocks: list[KVBlock], window: int, num_computed: int) -> None:
         """The next token (position num_computed) sees keys from num_computed - W + 1 on: blocks wholly
         before that return to the pool (tail-first, as in free) and the null block stands in for them."""
-        dead = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        dead = self._dead(window, num_computed)
         first = self._first_live(blocks, dead)
         if first < dead:
             self.pool.free_blocks(reversed(blocks[first:dead]))
@@ -189,29 +238,31 @@ class KVCacheManager:
         if n_full <= start:
             return
         self._ensure_hashes(req, n_full * self.block_size)
-        blocks = self.req_blocks[rid]
-        for i in range(start, n_full):
-            if blocks[i] is not self.pool.null_block:      # (given back behind the window, already cached)
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
+        null = self.pool.null_block
+        for g, blocks in enumerate(self.req_blocks[rid]):
+            for i in range(start, n_full):
+                if blocks[i] is not null:              # (given back behind the window, already cached)
+                    self.pool.cache_block(blocks[i], self._key(g, req.block_hashes[i]))
         self.num_hashed[rid] = n_full
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Keep only the blocks `num_tokens` positions need (speculative decoding: the blocks that held
         only rejected draft tokens go back, last first). Their slots were never hashed: the prefix cache
         covers only tokens that are the request's own."""
-        blocks = self.req_blocks.get(req.request_id)
         keep = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
-        if blocks and len(blocks) > keep:
-            self.pool.free_blocks(reversed(blocks[keep:]))
-            del blocks[keep:]
+        for blocks in self.req_blocks.get(req.request_id, ()):
+            if len(blocks) > keep:
+                self.pool.free_blocks(reversed(blocks[keep:]))
+                del blocks[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (refcount + 1); writes into a shared partial
         block are copy-on-write (see allocate_slots)."""
-        blocks = self.req_blocks[parent.request_id]
-        self.pool.touch(blocks)
+        groups = self.req_blocks[parent.request_id]
+        for blocks in groups:
+            self.pool.touch(blocks)
         cid = child.request_id
-        self.req_blocks[cid] = list(blocks)
+        self.req_blocks[cid] = [list(blocks) for blocks in groups]
         self.num_hashed[cid] = self.num_hashed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
@@ -221,40 +272,41 @@ class KVCacheManager:
         self._release(req.request_id)
         host = self.swapped.pop(req.request_id, None)
         if host:
-            self.host_free.extend(h for h in host if h is not None)
+            self.host_free.extend(h for hs in host for h in hs if h is not None)
 
     def _release(self, rid: str) -> None:
-        blocks = self.req_blocks.pop(rid, None)
-        if blocks:
+        for blocks in self.req_blocks.pop(rid, ()):
             self.pool.free_blocks(reversed(blocks))
         self.num_hashed.pop(rid, None)
 
     # ------------------------------------------------------------ swap tier
     def can_swap_out(self, req: Request) -> bool:
-        null = self.pool.null_block
-        return sum(b is not null for b in self.req_blocks.get(req.request_id, ())) <= len(self.host_free)
+        return self.num_live_blocks(req.request_id) <= len(self.host_free)
 
     def swap_out(self, req: Request) -> None:
         """Live blocks go to host blocks, in order; a null block (behind a sliding window) stays null (None)."""
         rid = req.request_id
-        blocks, null = self.req_blocks[rid], self.pool.null_block
-        host = [None if b is null else self.host_free.popleft() for b in blocks]
-        self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, host) if h is not None)
+        null, host = self.pool.null_block, []
+        for blocks in self.req_blocks[rid]:
+            hs = [None if b is null else self.host_free.popleft() for b in blocks]
+            self.ops.swap_out.extend((b.block_id, h) for b, h in zip(blocks, hs) if h is not None)
+            host.append(hs)
         self.swapped[rid] = host
         self._release(rid)
 
     def swap_in(self, req: Request) -> bool:
         rid = req.request_id
         host = self.swapped[rid]
-        live = [h for h in host if h is not None]
+        live = [h for hs in host for h in hs if h is not None]
         if len(live) > self.pool.num_free_blocks:
             return False
         fresh = iter(self.pool.get_new_blocks(len(live)))
-        blocks = [self.pool.null_block if h is None else next(fresh) for h in host]
-        self.ops.swap_in.extend((h, b.block_id) for h, b in zip(host, blocks) if h is not None)
+        groups = [[self.pool.null_block if h is None else next(fresh) for h in hs] for hs in host]
+        for hs, blocks in zip(host, groups):
+            self.ops.swap_in.extend((h, b.block_id) for h, b in zip(hs, blocks) if h is not None)
         del self.swapped[rid]
         self.host_free.extend(live)
-        self.req_blocks[rid] = blocks
+        self.req_blocks[rid] = groups
         self.num_hashed[rid] = 0
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)

@@ -189,7 +189,7 @@ class Scheduler:
                      else req.num_prompt_tokens)
             if hi > lo:
                 pool, req.pooled_done = PoolRow(lo - start, hi - lo), hi
-        seq = ScheduledSeq.of(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens, plp,
+        seq = ScheduledSeq.of(req, start, n, self.kv.block_tables(req.request_id), start + n == req.num_tokens, plp,
                               pool, draft)
         req.num_computed_tokens += n + len(draft)
         return seq
@@ -373,7 +373,7 @@ class Scheduler:
             return "max_num_seqs reached"
         if ahead and any(r.priority < req.priority for r in ahead):
             return "lower priority"
-        need = self.kv.blocks_needed(req.num_tokens - req.num_computed_tokens)
+        need = self.kv.new_blocks_needed(req.num_tokens - req.num_computed_tokens)
         if need > self.kv.num_free_blocks:
             return "no free KV blocks"
         if ahead:

@@ -62,7 +62,8 @@ class ScheduledSeq:
     request_id: str
     token_ids: tuple[int, ...]
     start: int
-    block_ids: tuple[int, ...]          # its block table: physical block of each logical block
+    block_tables: tuple[tuple[int, ...], ...]   # per group of layers (KVLayout): the physical block of each
+                                                # logical block (one table for a model whose layers all match)
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
     prompt_logprobs: PromptLogprobsRow | None = None
     pool: PoolRow | None = None
@@ -86,10 +87,11 @@ class ScheduledSeq:
         return self if self.sampling is None else replace(self, sampling=self.sampling.for_workers())
 
     @classmethod
-    def of(cls, req: Request, start: int, n: int, block_ids, sample: bool,
+    def of(cls, req: Request, start: int, n: int, block_tables, sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
            draft: tuple[int, ...] = ()) -> ScheduledSeq:
-        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, tuple(block_ids),
+        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start,
+                   tuple(map(tuple, block_tables)),
                    SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft))
 
 

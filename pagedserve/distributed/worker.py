@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.core.kv_layout import KVLayout
 from pagedserve.distributed.group import Rendezvous, TPGroup
 from pagedserve.model.loader import ModelSource, load_model
 from pagedserve.runner.model_runner import ModelRunner
@@ -44,10 +45,12 @@ class CacheSpec:
     num_host_blocks: int
     kv_dtype: torch.dtype
     seed: int
+    layout: KVLayout | None = None        # how layers share block tables; None: the model's own (cfg.kv_layout)
 
     def runner(self, model) -> ModelRunner:
         """This rank's runner: the planned blocks for its own KV heads."""
-        return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype)
+        return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype,
+                           self.layout)
 
 
 def run_worker(spec: WorkerSpec) -> None:

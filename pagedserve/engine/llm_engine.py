@@ -11,6 +11,7 @@ import torch
 from pagedserve.config import EngineArgs, SpeculativeConfig, parse_bytes
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import StepCostTable
@@ -80,19 +81,23 @@ class LLMEngine:
         self.workspace_bytes = self._workspace_bytes(dtype)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
+        # bytes of one token in every layer (full attention everywhere: the seed's arithmetic)
         self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))
+        self.kv_layout = layout = cfg.kv_layout if not args.disable_hybrid_kv_cache_manager or \
+            cfg.kv_layout.num_groups == 1 else KVLayout.uniform(cfg.num_layers)
+        # a block id spans `planes` layers (all of them, unless groups of layers have tables of their own)
+        self.kv_block_bytes = self.kv_cache_bytes_per_token // cfg.num_layers * layout.planes * args.block_size
         num_blocks = self._size_kv_pool(kv_dtype)
-        bytes_per_block = self.kv_cache_bytes_per_token * args.block_size
-        num_host = int(args.swap_space * GiB // bytes_per_block) if args.preemption_mode == "swap" else 0
+        num_host = int(args.swap_space * GiB // self.kv_block_bytes) if args.preemption_mode == "swap" else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
-                                 sliding_window=cfg.uniform_window)
+                                 windows=layout.windows)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
         if cfg.layer_windows:
-            log.info("%s", window_plan(cfg, self.kv_cache_bytes_per_token))
+            log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
-                                                                      kv_dtype, args.seed))
+                                                                      kv_dtype, args.seed, layout))
         self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
@@ -116,7 +121,7 @@ class LLMEngine:
         grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
         rows = sorted({r for r in grid if r <= top} | {top})
         blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(top))
-        ids = tuple(b.block_id for b in blocks)
+        ids = (tuple(b.block_id for b in blocks),) * len(self.kv.windows)   # (groups may share them: values unused)
         row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
 
         def run(r: int) -> float:
@@ -147,7 +152,7 @@ class LLMEngine:
 
     def _size_kv_pool(self, kv_dtype: torch.dtype) -> int:
         a = self.args
-        per_block = self.kv_cache_bytes_per_token * a.block_size
+        per_block = self.kv_block_bytes
         kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head"
                                                   if kv_scale_bytes(kv_dtype) else "")
         if a.num_kv_blocks is not None:
@@ -373,15 +378,19 @@ def _free_memory_bytes(device: str) -> int:
     return available_memory_bytes()
 
 
-def window_plan(cfg, bytes_per_token: int) -> str:
+def window_plan(cfg, layout: KVLayout, bytes_per_token: int) -> str:
     """The memory-plan line of a model with sliding-window layers: bytes per token per layer group."""
     w = [cfg.window(i) for i in range(cfg.num_layers)]
     per_layer = bytes_per_token // cfg.num_layers
     groups = {win: w.count(win) for win in sorted(set(w))}
     desc = ", ".join(f"{n} layers {'full' if win == 0 else f'window {win}'} ({n * per_layer} bytes/token)"
                      for win, n in groups.items())
-    if cfg.uniform_window:
+    if layout.num_groups == 1 and layout.windows[0]:
         return (f"sliding window: {desc}; blocks behind the window of every layer return to the pool while a "
                 "request runs")
-    return (f"sliding window: {desc}; one block table serves every layer, so KV behind the window is kept "
-            "(per-group block tables are not implemented)")
+    if layout.num_groups == 1:
+        return (f"sliding window: {desc}; one block table serves every layer (--disable-hybrid-kv-cache-manager), "
+                "so KV behind the windows is kept")
+    return (f"sliding window: {desc}; block tables per group of layers: {layout.describe()} (a block id spans "
+            f"{layout.planes} layers); a window group's blocks behind its window return to the pool while a "
+            "request runs")

@@ -63,26 +63,28 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
     queue = [("running", r) for r in sch.running] + [("waiting", r) for _, r in sorted(sch.waiting, key=lambda x: x[0])]
     for where, r in queue:
         index[r.request_id] = len(reqs)
-        table = list(kv.block_ids(r.request_id))
-        for i, b in enumerate(table):
-            lo = i * bs
-            owners.setdefault(b, []).append([len(reqs), lo, min(lo + bs, max(r.num_computed_tokens, lo))])
+        tables = kv.block_tables(r.request_id)      # one per group of layers (one for most models)
+        for table in tables:
+            for i, b in enumerate(table):
+                lo = i * bs
+                owners.setdefault(b, []).append([len(reqs), lo, min(lo + bs, max(r.num_computed_tokens, lo))])
+        table = list(tables[0])
         entry = {"id": r.request_id, "queue": "swapped" if r.status is RequestStatus.SWAPPED else where,
                  "status": r.status.value, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
                  "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
                  "num_output_tokens": r.num_output_tokens, "blocks": table,
-                 "host_blocks": [h for h in kv.swapped.get(r.request_id, ()) if h is not None], "num_preemptions": r.num_preemptions,
+                 "host_blocks": [h for hs in kv.swapped.get(r.request_id, ()) for h in hs if h is not None], "num_preemptions": r.num_preemptions,
                  "age_s": round(now - r.arrival_time, 2), "parent": r.parent_id}
         if where == "waiting":
             entry["reason"] = sch.waiting_reason(r)
-            entry["blocks_needed"] = kv.blocks_needed(r.num_tokens - r.num_computed_tokens)
+            entry["blocks_needed"] = kv.new_blocks_needed(r.num_tokens - r.num_computed_tokens)
         reqs.append(entry)
     # O(used + cached blocks), not O(pool): most of a large pool is free and needs no visit
     n = pool.num_blocks
     state, ref, hashes = [FREE] * n, [0] * n, [None] * n
     state[0] = NULL
-    for blocks in kv.req_blocks.values():
-        for b in blocks:
+    for groups in kv.req_blocks.values():
+        for b in (b for blocks in groups for b in blocks):
             if b is not pool.null_block:      # (behind a sliding window: given back)
                 state[b.block_id], ref[b.block_id] = USED, b.ref_cnt
     for h, b in pool.cached.items():
@@ -102,7 +104,7 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                     "num_cached_blocks": pool.num_cached_blocks(), "kv_usage": round(kv.usage(), 4),
                     "running": len(sch.running), "waiting": len(sch.waiting),
                     "swapped": sum(1 for _, r in sch.waiting if r.status is RequestStatus.SWAPPED),
-                    "host_blocks_used": sum(h is not None for v in kv.swapped.values() for h in v)},
+                    "host_blocks_used": sum(h is not None for v in kv.swapped.values() for hs in v for h in hs)},
         "requests": reqs,
         "steps": list(recorder.steps),
         "health": {"prefix_queries": c.prefix_queries, "prefix_hits": c.prefix_hits,

@@ -59,7 +59,7 @@ async def debug_scheduler(http: Request):
     waiting = sorted(list(sch.waiting), key=lambda x: x[0])
     return {
         "running": [{"request_id": r.request_id, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
-                     "num_tokens": r.num_tokens, "blocks": len(kv.block_ids(r.request_id))} for r in list(sch.running)],
+                     "num_tokens": r.num_tokens, "blocks": kv.num_live_blocks(r.request_id)} for r in list(sch.running)],
         "waiting": [{"request_id": r.request_id, "priority": r.priority, "status": r.status.value,
                      "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)} for _, r in waiting],
         "kv": {"blocks_total": kv.pool.num_usable_blocks, "blocks_free": kv.num_free_blocks,

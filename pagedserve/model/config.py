@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.kv_layout import KVLayout
+
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -57,10 +59,10 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def uniform_window(self) -> int:
-        """W when every layer slides over the same W positions (their KV behind it can be given back), else 0."""
-        w = set(self.layer_windows or [0])
-        return w.pop() if len(w) == 1 else 0
+    def kv_layout(self) -> KVLayout:
+        """How the layers share block tables: one table when every layer sees the same window, else a
+        group of layers per window (core/kv_layout.py)."""
+        return KVLayout.of([self.window(i) for i in range(self.num_layers)])
 
     def window(self, layer: int) -> int:
         """0: full attention; W: the layer attends to the last W positions only."""

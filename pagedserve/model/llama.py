@@ -8,6 +8,7 @@ multipliers, SmolLM3's NoPE layers, Phi-3's partial RoPE, Mixtral's and Qwen3-Mo
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -200,14 +201,17 @@ class LlamaForCausalLM(nn.Module):
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
-                md: AttentionMetadata) -> torch.Tensor:
+                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """md: one for every layer, or one per layer (layers in different KV groups read different block
+        tables: core/kv_layout.py)."""
+        mds = md if isinstance(md, list) else itertools.repeat(md)
         x = self.embed(input_ids)                                          # (T, hidden)
         if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
             x = x * self.cfg.embed_scale
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
         ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
-        for layer, key, kv in zip(self.layers, self.rope_keys, kv_caches):
-            x = layer(x, None if key is None else ropes[key], kv, md)
+        for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
+            x = layer(x, None if key is None else ropes[key], kv, layer_md)
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

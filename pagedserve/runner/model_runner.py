@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.step import PromptLogprobsRow, SamplingRow, SchedulerOutput
 from pagedserve import kernels
 from pagedserve.errors import EngineDeadError
@@ -32,7 +33,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None):
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None, layout: KVLayout | None = None):
         cfg = model.cfg
         self.model = model
         self.tp_size = model.tp.size
@@ -41,13 +42,16 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv_dtype = kv_cache_dtype or self.dtype
-        # the pool: K and V of every layer, (layers, 2, blocks, block_size, kv heads, head dim), and for
-        # int8 one float32 scale per token and kv head; the host swap tier has the same layout
+        # the pool: K and V of each layer plane, (planes, 2, blocks, block_size, kv heads, head dim), and
+        # for int8 one float32 scale per token and kv head; the host swap tier has the same layout. A
+        # plane per layer when one block table serves every layer; else layer i lives in plane
+        # layout.layer_plane[i] of the blocks in its group's table (core/kv_layout.py)
+        self.layout = layout or cfg.kv_layout
         self.kv_cache, self.kv_scales = self._alloc(num_blocks, self.device)
         self.host_cache, self.host_scales = self._alloc(num_host_blocks, torch.device("cpu"))
-        self.kv_caches = [LayerKV(self.kv_cache[i, 0], self.kv_cache[i, 1],
-                                  *((self.kv_scales[i, 0], self.kv_scales[i, 1]) if self.kv_scales is not None else ()))
-                          for i in range(cfg.num_layers)]
+        self.kv_caches = [LayerKV(self.kv_cache[j, 0], self.kv_cache[j, 1],
+                                  *((self.kv_scales[j, 0], self.kv_scales[j, 1]) if self.kv_scales is not None else ()))
+                          for j in self.layout.layer_plane]
         self.sampler = Sampler(seed)
         self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
                            and kernels.supports(cfg.head_dim, cfg.num_heads // self.tp_size, self.num_kv_heads)
@@ -58,7 +62,7 @@ class ModelRunner:
 
     def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.model.cfg
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
+        shape = (self.layout.planes, 2, num_blocks, self.block_size, self.num_kv_heads)
         data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device)
         scales = torch.zeros(shape, dtype=torch.float32, device=device) if kv_scale_bytes(self.kv_dtype) else None
         return data, scales
@@ -87,14 +91,16 @@ class ModelRunner:
     def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                     list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]],
                                                     list[tuple[str, int, int]]]:
-        """Decode rows first (the scheduler lists them first), then prefill chunks."""
-        bs = self.block_size
+        """Decode rows first (the scheduler lists them first), then prefill chunks. The attention
+        metadata: one for every layer, or with several groups of layers (KVLayout) one per layer
+        (each group's slots and block tables differ; everything else is shared)."""
+        bs, G = self.block_size, self.layout.num_groups
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
-        dec_tables: list[tuple[int, ...]] = []
+        slots: list[list[int]] = [[] for _ in range(G)]
+        dec_tables: list[list[tuple[int, ...]]] = [[] for _ in range(G)]
         dec_lens: list[int] = []
-        pre_tables: list[tuple[int, ...]] = []
+        pre_tables: list[list[tuple[int, ...]]] = [[] for _ in range(G)]
         pre_lens: list[int] = []
         cu_q = [0]
         logit_rows: list[int] = []
@@ -104,17 +110,19 @@ class ModelRunner:
         for s in so.seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
-            blocks = s.block_ids
             ctx = start + n
             ids.extend(s.token_ids)
             pos.extend(range(start, ctx))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
-            if s.is_decode:            # with drafts: one decode row per token, each seeing one position more
+            for g, blocks in enumerate(s.block_tables):
+                slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
+                if s.is_decode:        # with drafts: one decode row per token, each seeing one position more
+                    dec_tables[g].extend([blocks] * n)
+                else:
+                    pre_tables[g].append(blocks[: -(-ctx // bs)])
+            if s.is_decode:
                 assert not pre_lens, "decode rows come before prefill chunks"
-                dec_tables.extend([blocks] * n)
                 dec_lens.extend(range(start + 1, ctx + 1))
             else:
-                pre_tables.append(blocks[: -(-ctx // bs)])
                 pre_lens.append(ctx)
                 cu_q.append(cu_q[-1] + n)
             if s.num_draft:            # speculative: every row samples, row i after i accepted drafts
@@ -131,15 +139,14 @@ class ModelRunner:
         # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
         for _, first, plp in prompt_rows:
             logit_rows.extend(range(first, first + len(plp.targets)))
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(dec_lens),
-                               native=self.use_native, native_prefill=self.native_prefill)
-        if dec_lens:
-            md.decode_block_tables = _padded(dec_tables)
-            md.decode_context_lens = torch.tensor(dec_lens, dtype=torch.long)
-        if pre_lens:
-            md.prefill_block_tables = _padded(pre_tables)
-            md.prefill_cu_q = torch.tensor(cu_q, dtype=torch.long)
-            md.prefill_context_lens = torch.tensor(pre_lens, dtype=torch.long)
+        dec_t = torch.tensor(dec_lens, dtype=torch.long) if dec_lens else None
+        cu_t, pre_t = (torch.tensor(cu_q, dtype=torch.long), torch.tensor(pre_lens, dtype=torch.long)) if pre_lens \
+            else (None, None)
+        mds = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.long), len(dec_lens),
+                                 _padded(dec_tables[g]) if dec_lens else None, dec_t,
+                                 _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
+                                 native=self.use_native, native_prefill=self.native_prefill) for g in range(G)]
+        md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
                 prompt_rows, pool_rows)
 
@@ -155,7 +162,7 @@ class ModelRunner:
         dev = self.device
         if dev.type != "cpu":
             input_ids, positions = input_ids.to(dev), positions.to(dev)
-            md = _to_device(md, dev)
+            md = _to_device(md, dev) if isinstance(md, AttentionMetadata) else _to_device_per_layer(md, dev)
         t1 = time.perf_counter()
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
@@ -222,6 +229,11 @@ def _padded(tables: list[tuple[int, ...]]) -> torch.Tensor:
     """Block tables as one (rows, widest) tensor, padded with the null block 0."""
     width = max(len(t) for t in tables)
     return torch.tensor([t + (0,) * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _to_device_per_layer(mds: list[AttentionMetadata], dev) -> list[AttentionMetadata]:
+    moved = {id(md): _to_device(md, dev) for md in mds}       # one copy per group, not per layer
+    return [moved[id(md)] for md in mds]
 
 
 def _to_device(md: AttentionMetadata, dev) -> AttentionMetadata:

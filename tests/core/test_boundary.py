@@ -26,7 +26,7 @@ class FakeRunner:
         assert isinstance(so.seqs, tuple)
         out = {}
         for s in so.seqs:
-            assert type(s) is ScheduledSeq and isinstance(s.token_ids, tuple) and isinstance(s.block_ids, tuple)
+            assert type(s) is ScheduledSeq and isinstance(s.token_ids, tuple) and isinstance(s.block_tables, tuple) and all(isinstance(t, tuple) for t in s.block_tables)
             with pytest.raises(dataclasses.FrozenInstanceError):
                 s.start = 0
             assert not any(isinstance(getattr(s, f.name), Request) for f in dataclasses.fields(s))

@@ -33,7 +33,7 @@ def test_last_token_always_computed():
     admit(kv, req("a", range(8)))          # exactly 2 full blocks
     b = req("b", range(8))
     computed, n = kv.get_computed_blocks(b)
-    assert n == 4 and len(computed) == 1    # capped at num_tokens - 1
+    assert n == 4 and len(computed[0]) == 1    # capped at num_tokens - 1
 
 
 def test_free_returns_blocks_tail_first_and_keeps_them_cached():

@@ -80,7 +80,7 @@ def test_swap_preemption_keeps_progress():
     fake_step(s, s.schedule())
     so = s.schedule()
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 7
-    assert so.block_ops.swap_out and len(s.kv.swapped["b"]) == 2
+    assert so.block_ops.swap_out and len(s.kv.swapped["b"][0]) == 2
     s.finish(a, RequestStatus.FINISHED_STOPPED)
     so = s.schedule()
     assert so.block_ops.swap_in and [(q.request_id, q.start, q.num_tokens) for q in so.seqs] == [("b", 7, 1)]

@@ -71,7 +71,7 @@ def test_swap_keeps_the_null_blocks_and_copies_only_live_ones():
     kv.take_ops()
     assert kv.can_swap_out(r)
     kv.swap_out(r)
-    assert kv.take_ops().swap_out == [(2, 0), (3, 1)] and kv.swapped["a"] == [None, 0, 1]
+    assert kv.take_ops().swap_out == [(2, 0), (3, 1)] and kv.swapped["a"] == [[None, 0, 1]]
     assert kv.swap_in(r)
     _, b1, b2 = kv.block_ids("a")
     assert kv.block_ids("a")[0] == 0 and kv.take_ops().swap_in == [(0, b1), (1, b2)] and len(kv.host_free) == 4
@@ -84,9 +84,9 @@ def test_a_prefix_hit_takes_only_the_blocks_inside_the_window():
     admit(kv, req("a", range(100, 117)))              # 17 tokens: blocks 1..5, 1..4 full and cached
     b = req("b", list(range(100, 116)) + [5, 6])       # the same 16 tokens, then others
     computed, n = kv.get_computed_blocks(b)
-    assert n == 16 and [c.block_id for c in computed] == [1, 2, 3, 4]
-    assert kv.allocate_slots(b, b.num_tokens - n, computed)
     # the next token (16) sees 11..16: blocks 1 and 2 (positions 0..7) are not taken
+    assert n == 16 and [[c.block_id for c in g] for g in computed] == [[0, 0, 3, 4]]
+    assert kv.allocate_slots(b, b.num_tokens - n, computed)
     assert kv.block_ids("b") == (0, 0, 3, 4, 6)
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 2, 2]
 
@@ -95,3 +95,64 @@ def test_admission_counts_only_the_blocks_a_window_keeps_live():
     kv = KVCacheManager(num_blocks=7, block_size=4, sliding_window=8)   # 6 usable blocks
     assert kv.max_blocks_held(400, max_chunk=8) == 5           # ceil((7 + 8) / 4) + 1
     assert KVCacheManager(7, 4).max_blocks_held(400, max_chunk=8) == 100
+
+
+def test_full_and_sliding_groups_share_one_pool():
+    """Gemma's layout (core/kv_layout.py): a full group and a sliding group, each with its own table
+    from the one pool; the sliding group's blocks behind its window return while the full group's stay."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, windows=(0, 6))
+    r = req("a", range(100, 110), max_tokens=20)          # 10 tokens: 3 blocks in each group
+    admit(kv, r)
+    assert kv.block_tables("a") == ((1, 2, 3), (4, 5, 6)) and kv.num_free_blocks == 9
+    assert kv.block_ids("a") == (1, 2, 3)                  # the first group's table
+    decode(kv, r)                                          # the next token (10) sees 5..10: block 4 is dead
+    assert kv.block_tables("a") == ((1, 2, 3), (0, 5, 6)) and kv.num_free_blocks == 10
+    decode(kv, r, 3)                                       # 12 needs a new block in both; at 13 block 5 is dead
+    # (block 4 was cached when it went back: the free queue hands out never-cached blocks first)
+    assert kv.block_tables("a") == ((1, 2, 3, 7), (0, 0, 6, 8))
+    assert kv.num_live_blocks("a") == 6 and kv.max_blocks_held(400, max_chunk=4) == 100 + 4
+    kv.free(r)
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_a_prefix_hit_serves_every_group_or_none():
+    """A hit of m blocks needs all m in a full group, and in a sliding group only the blocks the next
+    token's window reaches: evicting a sliding block behind the window keeps the hit, one inside it
+    shortens the hit for every group."""
+    kv = KVCacheManager(num_blocks=24, block_size=4, windows=(0, 6))
+    a = req("a", range(100, 117))                          # 17 tokens: 5 blocks per group, 4 full ones cached
+    admit(kv, a)
+    assert kv.block_tables("a") == ((1, 2, 3, 4, 5), (6, 7, 8, 9, 10))
+    kv.free(a)
+    b = req("b", list(range(100, 116)) + [5, 6])
+    computed, n = kv.get_computed_blocks(b)
+    # next token 16 sees 11..16: the sliding group needs its blocks 2 and 3 (positions 8..15) only
+    assert n == 16 and [[c.block_id for c in g] for g in computed] == [[1, 2, 3, 4], [0, 0, 8, 9]]
+    assert kv.allocate_slots(b, b.num_tokens - n, computed)
+    assert kv.block_tables("b")[1][:4] == (0, 0, 8, 9) and kv.pool.blocks[6].ref_cnt == 0
+    kv.free(b)
+    kv.pool.blocks[9].block_hash, h = None, kv.pool.blocks[9].block_hash     # the sliding group's block 3 evicted
+    del kv.pool.cached[h]
+    c = req("c", list(range(100, 116)) + [5, 6])
+    computed, n = kv.get_computed_blocks(c)
+    # a hit of 3 blocks: next token 12 sees 7..12, the sliding group's blocks 1 and 2 (7, 8) are cached
+    assert n == 12 and [[x.block_id for x in g] for g in computed] == [[1, 2, 3], [0, 7, 8]]
+
+
+def test_swap_and_fork_keep_every_group():
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=8, windows=(0, 6))
+    p = req("p", range(100, 110), max_tokens=8)
+    admit(kv, p)
+    decode(kv, p)                                          # sliding group: block 4 given back
+    c = req("c", range(100, 110), max_tokens=8)
+    c.num_computed_tokens = p.num_computed_tokens
+    kv.fork(p, c)
+    assert kv.block_tables("c") == kv.block_tables("p") == ((1, 2, 3), (0, 5, 6))
+    kv.swap_out(p)
+    assert kv.take_ops().swap_out == [(1, 0), (2, 1), (3, 2), (5, 3), (6, 4)]
+    assert kv.swapped["p"] == [[0, 1, 2], [None, 3, 4]]
+    assert kv.swap_in(p)
+    assert kv.block_tables("p")[1][0] == 0 and len(kv.take_ops().swap_in) == 5
+    for r in (p, c):
+        kv.free(r)
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks and len(kv.host_free) == 8

@@ -100,7 +100,7 @@ def test_rejected_drafts_give_their_blocks_back_and_progress_rolls_back():
     ups = list(sch.update_from_output(so, {"a": [9]}))        # draft 5 rejected: the runner's 9
     assert [u.token_id for u in ups] == [9]
     assert r.output_token_ids == [4, 9] and r.num_computed_tokens == 11 and r.num_tokens == 12
-    assert len(kv.req_blocks["a"]) == 3 and kv.num_free_blocks == free     # block 3 held only rejected drafts
+    assert len(kv.block_ids("a")) == 3 and kv.num_free_blocks == free     # block 3 held only rejected drafts
     so = sch.schedule()                                        # ... 4 9: "9" never occurred: no draft
     assert so.seqs[0].num_draft == 0
     list(sch.update_from_output(so, {"a": [1]}))               # ... 9 1: proposes 2 3 4 9 (after the latest 1)
@@ -108,7 +108,7 @@ def test_rejected_drafts_give_their_blocks_back_and_progress_rolls_back():
     assert so.seqs[0].draft == (2, 3, 4, 9)
     ups = list(sch.update_from_output(so, {"a": [2, 3, 7]}))  # two accepted, then 7
     assert [u.token_id for u in ups] == [2, 3, 7] and [u.sample_index for u in ups] == [0, 1, 2]
-    assert r.num_computed_tokens == 15 and r.num_tokens == 16 and len(kv.req_blocks["a"]) == 4
+    assert r.num_computed_tokens == 15 and r.num_tokens == 16 and len(kv.block_ids("a")) == 4
     assert sch.spec_stats.num_drafts == 2 and sch.spec_stats.num_accepted_tokens == 2
     assert sch.spec_stats.accepted_per_pos == [1, 1, 0, 0]
     # the prefix cache only ever names full blocks of the request's own tokens

@@ -31,9 +31,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4, 8]),
                 mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.integers(1, 8),
                 budget=st.integers(4, 64), chunk=st.integers(1, 32), caching=st.booleans(),
-                host_blocks=st.integers(0, 48), spec=st.integers(0, 5))
-    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks, spec):
-        self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0)
+                host_blocks=st.integers(0, 48), spec=st.integers(0, 5),
+                windows=st.sampled_from([(0,), (0,), (0,), (7,), (0, 6, 6), (0, 9)]))
+    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks, spec, windows):
+        # windows: the groups of layers (KVLayout): one full group (Llama), every layer sliding
+        # (Mistral), or full and sliding groups sharing the pool (Gemma)
+        self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0,
+                                 windows=windows)
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                              max_model_len=96, long_prefill_token_threshold=chunk,
                                              preemption_mode=mode), self.kv)
@@ -108,7 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_accounted(self):
         pool = self.kv.pool
-        holders = collections.Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks)
+        holders = collections.Counter(b.block_id for groups in self.kv.req_blocks.values() for blocks in groups
+                                      for b in blocks if b is not pool.null_block)    # (behind a window)
         free_ids = pool.free_queue.ids()
         assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
         for b in pool.blocks[1:]:
@@ -124,20 +129,35 @@ class SchedulerMachine(RuleBasedStateMachine):
     def no_block_beyond_the_next_token(self):
         """After a step a sequence holds blocks for its computed tokens and the next one at most:
         what rejected drafts took is back in the pool."""
-        for rid, blocks in self.kv.req_blocks.items():
+        for rid, groups in self.kv.req_blocks.items():
             r = self.sch.requests[rid]
-            assert len(blocks) <= self.kv.blocks_needed(r.num_computed_tokens + 1), (rid, len(blocks))
+            assert len(groups) == len(self.kv.windows)
+            for blocks in groups:
+                assert len(blocks) <= self.kv.blocks_needed(r.num_computed_tokens + 1), (rid, len(blocks))
             assert r.num_computed_tokens <= r.num_tokens
+
+    @invariant()
+    def every_group_holds_what_its_window_reads(self):
+        """The null block stands only behind a group's window: every block the next token (or a
+        computed token inside the window) reads is a real block; a full group holds no null block."""
+        null, bs = self.kv.pool.null_block, self.kv.block_size
+        for rid, groups in self.kv.req_blocks.items():
+            r = self.sch.requests[rid]
+            for w, blocks in zip(self.kv.windows, groups):
+                dead = max(0, r.num_computed_tokens - w + 1) // bs if w else 0
+                assert all(b is not null for b in blocks[dead:]), (rid, w, r.num_computed_tokens, blocks)
+                RULES["window_freed"] += any(b is null for b in blocks)
 
     @invariant()
     def prefix_index_names_its_blocks(self):
         for h, b in self.kv.pool.cached.items():
             assert b.block_hash == h
-        for rid, blocks in self.kv.req_blocks.items():
+        for rid, groups in self.kv.req_blocks.items():
             req = self.sch.requests[rid]
-            for i, b in enumerate(blocks[: self.kv.num_hashed[rid]]):
-                if b.block_hash is not None:
-                    assert b.block_hash == req.block_hashes[i]
+            for g, i, b in ((g, i, b) for g, blocks in enumerate(groups)
+                            for i, b in enumerate(blocks[: self.kv.num_hashed[rid]])):
+                if b.block_hash is not None and b is not self.kv.pool.null_block:
+                    assert b.block_hash == self.kv._key(g, req.block_hashes[i])
                     # the block's tokens are the request's tokens at that position
                     bs = self.kv.block_size
                     assert len(req.all_token_ids) >= (i + 1) * bs
@@ -159,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(keys) == len(set(keys))                                     # a total order: no ties
         assert sch.running == sorted(sch.running, key=lambda r: r.sort_key)
         assert sch.num_seqs() <= sch.cfg.max_num_seqs
-        host = list(kv.host_free) + [h for hs in kv.swapped.values() for h in hs]
+        host = list(kv.host_free) + [h for groups in kv.swapped.values() for hs in groups for h in hs if h is not None]
         assert sorted(host) == list(range(kv.num_host_blocks))
 
     def teardown(self):
@@ -184,4 +204,4 @@ def test_scheduler_state_machine():
     assert total >= 3000 and RULES["step"] >= 1000
     # the program reached every mechanism it is meant to check
     assert all(RULES[k] > 0 for k in ("preempted", "swapped_out", "copy_on_write", "evicted", "forked", "drafted",
-                                      "rejected"))
+                                      "rejected", "window_freed"))

@@ -82,7 +82,8 @@ def test_embeddings_beside_generations_and_under_preemption(model):
     with LLM(str(d), dtype="float32", num_kv_blocks=64) as llm:
         alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], sp,
                                                               use_tqdm=False)]
-    with LLM(str(d), dtype="float32", num_kv_blocks=20, block_size=8, max_num_batched_tokens=48,
+    # (a Qwen3 with sliding layers: a full and a window group, a block id spans half the layers)
+    with LLM(str(d), dtype="float32", num_kv_blocks=30, block_size=8, max_num_batched_tokens=48,
              long_prefill_token_threshold=16) as llm:
         eng = llm.engine
         for i, p in enumerate(prompts[2:]):

@@ -15,12 +15,21 @@ def make_request(rid: str, ids: list[int]) -> Request:
 
 def forward_all_rows(runner: ModelRunner, chunks: list[tuple[Request, int, int, list[int]]]) -> torch.Tensor:
     """chunks: (request, start, num_tokens, block_ids). Returns logits of every row (T, V)."""
-    seqs = sorted((ScheduledSeq.of(r, s, n, b, False) for r, s, n, b in chunks), key=lambda s: not s.is_decode)
+    seqs = sorted((ScheduledSeq.of(r, s, n, group_tables(runner, b), False) for r, s, n, b in chunks),
+                  key=lambda s: not s.is_decode)
     so = SchedulerOutput(seqs=tuple(seqs))
     with torch.inference_mode():
         ids, pos, md, *_ = runner.prepare(so)
         hidden = runner.model(ids, pos, runner.kv_caches, md)
         return runner.model.compute_logits(hidden)
+
+
+def group_tables(runner: ModelRunner, blocks: list[int]) -> tuple[tuple[int, ...], ...]:
+    """A block table per KV group of the runner's model (core/kv_layout.py): the same logical blocks,
+    each group on physical blocks of its own (shifted past the previous group's); runner's pool must
+    hold groups x max(blocks) + 1 blocks."""
+    top = max(blocks, default=0)
+    return tuple(tuple(b + g * top for b in blocks) for g in range(runner.layout.num_groups))
 
 
 def blocks_for(first: int, n_tokens: int, bs: int) -> list[int]:

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.model.loader import load_model, read_model_config, resolve_model
 from pagedserve.runner.model_runner import ModelRunner
 from tests.model.families import family_specs, save_family
-from tests.model.helpers import assert_greedy_match, blocks_for, forward_all_rows, hf_greedy, make_request
+from tests.model.helpers import (assert_greedy_match, blocks_for, forward_all_rows, group_tables, hf_greedy,
+                                 make_request)
 
 FAMILIES = list(family_specs())
 
@@ -39,7 +41,7 @@ def test_logits_match_hf_on_both_attention_paths(saved, name):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
     for native in (True, False):
-        runner = ModelRunner(model, num_blocks=16, block_size=16)
+        runner = ModelRunner(model, num_blocks=1 + 6 * cfg.kv_layout.num_groups, block_size=16)
         runner.use_native = runner.use_native and native
         ours = forward_all_rows(runner, [(make_request("a", ids), 0, len(ids), blocks_for(1, len(ids), 16))])
         assert (ours - ref).abs().max().item() < 1e-4, (name, "native" if native else "torch")
@@ -52,9 +54,11 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
     prompts = _prompts(hf.config.vocab_size)
     refs = [hf_greedy(hf, p, 24) for p in prompts]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    # preempted: a pool below what the three sequences hold at once (with every layer sliding they hold
-    # only their window, so that pool is smaller still)
-    tight = dict(num_kv_blocks=18, block_size=8, max_num_batched_tokens=64)
+    # preempted: a pool below what the three sequences hold at once, above what one holds (a window
+    # group holds only its window: with every layer sliding that pool is smaller still)
+    windows = read_model_config(resolve_model(d)).kv_layout.windows
+    one = KVCacheManager(2, 8, windows=windows).max_blocks_held(90 + 24, 64)
+    tight = dict(num_kv_blocks=one + 3, block_size=8, max_num_batched_tokens=64)
     if name in ("mistral", "mixtral"):
         tight = dict(num_kv_blocks=8, block_size=8, max_num_batched_tokens=16, long_prefill_token_threshold=16)
     for args in (dict(max_num_batched_tokens=64, long_prefill_token_threshold=16), tight):      # chunked, preempted
@@ -84,9 +88,9 @@ def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     assert (cfg.arch, cfg.qk_norm) == (name.removesuffix("_text"), True)
     for prompt in _prompts(cfg.vocab_size):
         ref, ref_lp = hf_greedy(hf, prompt, 16)
-        runner = ModelRunner(model, num_blocks=20, block_size=16)
+        runner = ModelRunner(model, num_blocks=20 * cfg.kv_layout.num_groups, block_size=16)
         req = Request("r", prompt, SamplingParams(max_tokens=16), max_tokens=16)
-        blocks, start, n = list(range(1, 20)), 0, len(prompt)
+        blocks, start, n = group_tables(runner, list(range(1, 20))), 0, len(prompt)
         for _ in range(16):
             out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, blocks, True),)))
             req.append_token(out.sampled["r"][0].token_id)
@@ -125,9 +129,36 @@ def test_sliding_window_model_runs_in_a_pool_smaller_than_its_sequences(saved, n
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with LLM(d, dtype="float32", num_kv_blocks=9, block_size=8, max_num_batched_tokens=16,
              long_prefill_token_threshold=16) as llm:
-        assert llm.engine.kv.sliding_window == 24
+        assert llm.engine.kv.windows == (24,)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.engine.kv.num_free_blocks == 8
     for out, p in zip(outs, prompts):
         ref, ref_lp = hf_greedy(hf, p, 24)
         assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "qwen3"])
+def test_window_groups_give_blocks_back_while_full_layers_keep_theirs(saved, name):
+    """Mixed layers (core/kv_layout.py): each window group's table holds only the blocks its window
+    reads (the null block behind it), the full group's holds every block; tokens still HF's."""
+    d, hf = saved[name]
+    prompt = _prompts(hf.config.vocab_size)[2]                # 90 tokens, windows of 24
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(d, dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=16,
+             long_prefill_token_threshold=16) as llm:
+        eng = llm.engine
+        assert len(eng.kv.windows) > 1 and 0 in eng.kv.windows and 24 in eng.kv.windows
+        eng.add_request("a", {"prompt_token_ids": prompt}, sp)
+        seen, out = 0, None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                out = o if o.finished else out
+            if "a" in eng.kv.req_blocks:
+                n = eng.scheduler.requests["a"].num_computed_tokens
+                for w, table in zip(eng.kv.windows, eng.kv.block_tables("a")):
+                    live = sum(b != 0 for b in table)
+                    assert live == len(table) if not w else live <= -(-(w - 1 + 16) // 8) + 1, (w, n, table)
+                    seen += bool(w) and live < len(table)
+        assert seen > 0 and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+    ref, ref_lp = hf_greedy(hf, prompt, 24)
+    assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
