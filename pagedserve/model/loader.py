@@ -32,7 +32,9 @@ log = logging.getLogger("pagedserve")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
+# archs whose q/k rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel and its subclasses)
+_PERMUTED_QK = ("llama", "mistral", "granite")
 
 
 class ModelLoadError(ValueError):
@@ -368,13 +370,13 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
         if hf_name is None:
             continue
         if isinstance(arr, PackedWeight):
-            if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
                 arr = arr.permute_rows(_unpermute(torch.arange(arr.shape[0]), heads))
             weights[hf_name] = arr
             continue
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter permutes q/k rows for its interleaved RoPE; undo it for the half-split RoPE.
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             t = _unpermute(t, heads)
@@ -403,15 +405,24 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
     differs: dict = {"arch": arch}
     if arch == "qwen3":
         differs["qk_norm"] = True
-    elif arch == "gemma3":
-        # as llama.cpp reads a gemma3 file: its converter already added Gemma's 1 to the norm weights;
-        # every 6th layer is global, the others slide with RoPE base 10000; the attention scale is
-        # 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model
-        window = int(g("attention.sliding_window", 0))
-        differs |= {"qk_norm": True, "sandwich_norm": True, "mlp_act": "gelu_tanh",
-                    "embed_scale": math.sqrt(hidden), "local_rope_theta": 10000.0,
-                    "attn_scale": (hidden / heads if layers == 62 else head_dim) ** -0.5,
-                    "layer_windows": [0 if (i + 1) % 6 == 0 else window for i in range(layers)] if window else None}
+    elif arch in ("gemma2", "gemma3"):
+        # as llama.cpp reads a Gemma file: its converter already added Gemma's 1 to the norm weights;
+        # every 2nd (Gemma 2) / 6th (Gemma 3) layer is global, the others slide (Gemma 3's with RoPE
+        # base 10000); the attention scale is 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the
+        # 27B models (46 / 62 layers); Gemma 2 soft-caps the attention scores and the logits
+        gemma2 = arch == "gemma2"
+        window, every = int(g("attention.sliding_window", 0)), 2 if gemma2 else 6
+        differs |= {"qk_norm": not gemma2, "sandwich_norm": True, "mlp_act": "gelu_tanh",
+                    "embed_scale": math.sqrt(hidden), "local_rope_theta": None if gemma2 else 10000.0,
+                    "attn_scale": (hidden / heads if layers == (46 if gemma2 else 62) else head_dim) ** -0.5,
+                    "layer_windows": [0 if (i + 1) % every == 0 else window for i in range(layers)] if window else None}
+        if gemma2:
+            differs |= {k: None if v is None else float(v) for k, v in (
+                ("attn_softcap", g("attn_logit_softcapping")), ("final_softcap", g("final_logit_softcapping")))}
+    elif arch == "granite":
+        # llama.cpp's names for Granite's multipliers (its converter writes *_multiplier as *_scale)
+        differs |= {"embed_scale": float(g("embedding_scale", 1.0)), "residual_scale": float(g("residual_scale", 1.0)),
+                    "logits_scaling": float(g("logit_scale", 1.0)), "attn_scale": float(g("attention.scale"))}
     return ModelConfig(
         vocab_size=int(n_vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
         num_layers=layers, num_heads=heads,
@@ -455,7 +466,7 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
         return top[name]
     if name.startswith("blk."):
         _, i, rest = name.split(".", 2)
-        if arch == "gemma3" and rest in _GGUF_GEMMA_NAMES:
+        if arch in ("gemma2", "gemma3") and rest in _GGUF_GEMMA_NAMES:
             return f"model.layers.{i}.{_GGUF_GEMMA_NAMES[rest]}"
         if rest in _GGUF_LAYER_NAMES:
             return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"

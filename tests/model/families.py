@@ -66,9 +66,11 @@ def save_family(name: str, d, vocab_size: int, tokenizer=None, sharpen: float = 
 def write_gguf(name: str, hf, path) -> str:
     """The HF model as a float32 GGUF file, as llama.cpp's converter lays it out: tensor names from
     the gguf package's own HF -> GGUF name map, the family's metadata keys, and for Gemma the
-    converter's +1 on every norm weight (llama.cpp runs a plain RMSNorm)."""
+    converter's +1 on every norm weight (llama.cpp runs a plain RMSNorm); Gemma 2's soft-caps; Granite's
+    multipliers as llama.cpp's *_scale keys and its q/k rows permuted, as LlamaModel.permute does."""
     import gguf
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[name]
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+            "granite": gguf.MODEL_ARCH.GRANITE}[name]
     c = hf.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_context_length(c.max_position_embeddings)
@@ -78,20 +80,33 @@ def write_gguf(name: str, hf, path) -> str:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(c.vocab_size)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
-    if name == "gemma3_text":
+    gemma = name.startswith("gemma")
+    if gemma:
         w.add_sliding_window(c.sliding_window)
+    if name == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if name == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+        w.add_attention_scale(c.attention_multiplier)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     for key, t in hf.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
         t = t.detach().float()
-        if name == "gemma3_text" and key.endswith("norm.weight"):
+        if gemma and key.endswith("norm.weight"):
             t = t + 1.0
+        if name == "granite" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()

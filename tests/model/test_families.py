@@ -71,7 +71,7 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "granite"])
 def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     """A GGUF written as llama.cpp's converter writes this architecture: the same logits and greedy tokens."""
     from pagedserve.core.request import Request
@@ -81,11 +81,21 @@ def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     if name == "gemma3_text":      # what a gemma3 GGUF can say: every 6th layer global, local RoPE base 10000
         hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=32, num_hidden_layers=6,
                          sliding_window=24, query_pre_attn_scalar=32)
-    else:                          # llama.cpp's qwen3 has no sliding layers
+    elif name == "gemma2":         # llama.cpp scales by 1/sqrt(head_dim) below 27B: query_pre_attn_scalar = head_dim
+        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=16, num_hidden_layers=4,
+                         sliding_window=24, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                         final_logit_softcapping=3.0)
+    elif name == "qwen3":          # llama.cpp's qwen3 has no sliding layers
         hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=32)
     path = write_gguf(name, hf, tmp_path / f"{name}.gguf")
     model, cfg = load_model(resolve_model(path))
-    assert (cfg.arch, cfg.qk_norm) == (name.removesuffix("_text"), True)
+    assert (cfg.arch, cfg.qk_norm) == (name.removesuffix("_text"), name in ("qwen3", "gemma3_text"))
+    ids = _prompts(cfg.vocab_size)[2]
+    with torch.inference_mode():
+        ref_logits = hf(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(model, num_blocks=1 + 6 * cfg.kv_layout.num_groups, block_size=16)
+    ours = forward_all_rows(runner, [(make_request("a", ids), 0, len(ids), blocks_for(1, len(ids), 16))])
+    assert (ours - ref_logits).abs().max().item() < 1e-4
     for prompt in _prompts(cfg.vocab_size):
         ref, ref_lp = hf_greedy(hf, prompt, 16)
         runner = ModelRunner(model, num_blocks=20 * cfg.kv_layout.num_groups, block_size=16)
