@@ -32,7 +32,7 @@ log = logging.getLogger("pagedserve")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite")
 # archs whose q/k rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel and its subclasses)
 _PERMUTED_QK = ("llama", "mistral", "granite")
 
@@ -376,6 +376,10 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
             weights[hf_name] = arr
             continue
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if ".experts." in hf_name:           # (experts, rows, cols): one checkpoint tensor per expert
+            for e in range(t.shape[0]):
+                weights[hf_name.replace(".experts.", f".experts.{e}.")] = t[e].to(dtype)
+            continue
         if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter permutes q/k rows for its interleaved RoPE; undo it for the half-split RoPE.
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
@@ -403,8 +407,11 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     layers, head_dim = int(g("block_count")), int(g("attention.key_length", hidden // heads))
     differs: dict = {"arch": arch}
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         differs["qk_norm"] = True
+    if arch == "qwen3moe":          # every layer an MoE layer; llama.cpp renormalises the top-k weights
+        differs |= {"num_experts": int(g("expert_count")), "num_experts_per_tok": int(g("expert_used_count")),
+                    "moe_intermediate_size": int(g("expert_feed_forward_length")), "norm_topk_prob": True}
     elif arch in ("gemma2", "gemma3"):
         # as llama.cpp reads a Gemma file: its converter already added Gemma's 1 to the norm weights;
         # every 2nd (Gemma 2) / 6th (Gemma 3) layer is global, the others slide (Gemma 3's with RoPE
@@ -452,6 +459,9 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    # MoE: the router, and each projection of all experts stacked in one tensor
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight", "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 # Gemma's four norms per layer (llama.cpp's names; its ffn_norm is Gemma's pre-feedforward norm)
 _GGUF_GEMMA_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",

@@ -70,7 +70,7 @@ def write_gguf(name: str, hf, path) -> str:
     multipliers as llama.cpp's *_scale keys and its q/k rows permuted, as LlamaModel.permute does."""
     import gguf
     arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
-            "granite": gguf.MODEL_ARCH.GRANITE}[name]
+            "granite": gguf.MODEL_ARCH.GRANITE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}[name]
     c = hf.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_context_length(c.max_position_embeddings)
@@ -97,8 +97,20 @@ def write_gguf(name: str, hf, path) -> str:
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
         w.add_attention_scale(c.attention_multiplier)
+    if name == "qwen3_moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
-    for key, t in hf.state_dict().items():
+    sd = hf.state_dict()
+    for key in [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]:    # (E, 2I, H): gate rows, then up
+        gate, up = sd.pop(key).chunk(2, dim=1)
+        layer = key.split(".")[2]
+        w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.float().contiguous().numpy())
+        w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.float().contiguous().numpy())
+        w.add_tensor(f"blk.{layer}.ffn_down_exps.weight",
+                     sd.pop(key.replace("gate_up_proj", "down_proj")).float().contiguous().numpy())
+    for key, t in sd.items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
         t = t.detach().float()
