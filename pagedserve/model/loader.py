@@ -32,9 +32,9 @@ log = logging.getLogger("pagedserve")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "smollm3")
 # archs whose q/k rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel and its subclasses)
-_PERMUTED_QK = ("llama", "mistral", "granite")
+_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 
 
 class ModelLoadError(ValueError):
@@ -426,6 +426,8 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
         if gemma2:
             differs |= {k: None if v is None else float(v) for k, v in (
                 ("attn_softcap", g("attn_logit_softcapping")), ("final_softcap", g("final_logit_softcapping")))}
+    elif arch == "smollm3":         # llama.cpp: no key for it, every 4th layer without RoPE
+        differs["nope_layers"] = [i for i in range(layers) if (i + 1) % 4 == 0]
     elif arch == "granite":
         # llama.cpp's names for Granite's multipliers (its converter writes *_multiplier as *_scale)
         differs |= {"embed_scale": float(g("embedding_scale", 1.0)), "residual_scale": float(g("residual_scale", 1.0)),
