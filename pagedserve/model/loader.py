@@ -32,7 +32,7 @@ log = logging.getLogger("pagedserve")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "smollm3")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "smollm3", "phi3")
 # archs whose q/k rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel and its subclasses)
 _PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 
@@ -407,6 +407,23 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     layers, head_dim = int(g("block_count")), int(g("attention.key_length", hidden // heads))
     differs: dict = {"arch": arch}
+    if arch == "llama" and g("expert_count"):     # Mixtral: llama.cpp writes it as a llama with experts
+        differs |= {"num_experts": int(g("expert_count")), "num_experts_per_tok": int(g("expert_used_count")),
+                    "moe_intermediate_size": int(g("expert_feed_forward_length") or g("feed_forward_length")),
+                    "norm_topk_prob": True}
+    if arch == "phi3":
+        # fused qkv and gate_up; partial RoPE; longrope's two factor lists as tensors of their own
+        orig, rot = g("rope.scaling.original_context_length"), int(g("rope.dimension_count", head_dim))
+        factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32)] for t in reader.tensors
+                   if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+        window = int(g("attention.sliding_window", 0) or 0)
+        differs |= {"fused_checkpoint": True, "partial_rotary_factor": rot / head_dim,
+                    "original_max_position_embeddings": None if orig is None else int(orig),
+                    "layer_windows": [window] * layers if window else None}
+        if factors:
+            scaling = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+                       "long_factor": factors["rope_factors_long.weight"], "original_max_position_embeddings": int(orig),
+                       "attention_factor": float(g("rope.scaling.attn_factor", 1.0))}
     if arch in ("qwen3", "qwen3moe"):
         differs["qk_norm"] = True
     if arch == "qwen3moe":          # every layer an MoE layer; llama.cpp renormalises the top-k weights
@@ -471,6 +488,10 @@ _GGUF_GEMMA_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.wei
                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 
 
+# Phi-3's fused checkpoints (llama.cpp's ffn_up holds gate and up, as Phi-3's gate_up_proj)
+_GGUF_PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+
+
 def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -480,6 +501,8 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
         _, i, rest = name.split(".", 2)
         if arch in ("gemma2", "gemma3") and rest in _GGUF_GEMMA_NAMES:
             return f"model.layers.{i}.{_GGUF_GEMMA_NAMES[rest]}"
+        if arch == "phi3" and rest in _GGUF_PHI3_NAMES:
+            return f"model.layers.{i}.{_GGUF_PHI3_NAMES[rest]}"
         if rest in _GGUF_LAYER_NAMES:
             return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
     return None   # e.g. rope_freqs: not a weight we need

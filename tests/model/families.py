@@ -2,6 +2,9 @@
 model classes, save_pretrained), for the reference tests against HF on the same weights."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +74,7 @@ def write_gguf(name: str, hf, path) -> str:
     import gguf
     arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
             "granite": gguf.MODEL_ARCH.GRANITE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-            "smollm3": gguf.MODEL_ARCH.SMOLLM3}[name]
+            "smollm3": gguf.MODEL_ARCH.SMOLLM3, "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA}[name]
     c = hf.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_context_length(c.max_position_embeddings)
@@ -98,10 +101,19 @@ def write_gguf(name: str, hf, path) -> str:
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
         w.add_attention_scale(c.attention_multiplier)
-    if name == "qwen3_moe":
-        w.add_expert_count(c.num_experts)
+    if name in ("qwen3_moe", "mixtral"):
+        w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if name == "qwen3_moe":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if name == "phi3":             # as llama.cpp's Phi3MiniModel: partial RoPE, longrope's factors as tensors
+        rp, orig = c.rope_parameters, c.rope_parameters["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / orig
+        w.add_rope_dimension_count(int(head_dim * rp["partial_rotary_factor"]))
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     sd = hf.state_dict()
     for key in [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]:    # (E, 2I, H): gate rows, then up
@@ -117,7 +129,7 @@ def write_gguf(name: str, hf, path) -> str:
         t = t.detach().float()
         if gemma and key.endswith("norm.weight"):
             t = t + 1.0
-        if name in ("granite", "smollm3") and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if name in ("granite", "smollm3", "mixtral") and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy())

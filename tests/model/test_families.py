@@ -71,7 +71,8 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "granite", "qwen3_moe", "smollm3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "granite", "qwen3_moe", "smollm3", "phi3",
+                                  "mixtral"])
 def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     """A GGUF written as llama.cpp's converter writes this architecture: the same logits and greedy tokens."""
     from pagedserve.core.request import Request
@@ -90,12 +91,15 @@ def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     elif name == "smollm3":        # llama.cpp's smollm3: every 4th layer without RoPE (no key says so)
         hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_hidden_layers=4,
                          no_rope_layers=[1, 1, 1, 0], pad_token_id=0)
+    elif name == "mixtral":        # llama.cpp writes Mixtral as a llama with experts (and no window)
+        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_local_experts=4,
+                         num_experts_per_tok=2)
     elif name == "qwen3_moe":      # llama.cpp's qwen3moe: every layer an MoE layer, top-k renormalised
         hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, mlp_only_layers=[])
     path = write_gguf(name, hf, tmp_path / f"{name}.gguf")
     model, cfg = load_model(resolve_model(path))
-    assert (cfg.arch, cfg.qk_norm) == (name.removesuffix("_text").replace("_", ""),
+    assert (cfg.arch, cfg.qk_norm) == ({"mixtral": "llama"}.get(name, name.removesuffix("_text").replace("_", "")),
                                        name in ("qwen3", "gemma3_text", "qwen3_moe"))
     ids = _prompts(cfg.vocab_size)[2]
     with torch.inference_mode():
