@@ -201,7 +201,8 @@ _MATRICES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_pr
              "lm_head.weight")
 
 _HF_MATRICES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+                "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight",
+                "qkv_proj.weight", "gate_up_proj.weight")     # (Phi-3's fused checkpoints)
 
 
 def _is_matrix(key: str) -> bool:

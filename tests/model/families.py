@@ -66,11 +66,12 @@ def save_family(name: str, d, vocab_size: int, tokenizer=None, sharpen: float = 
     return hf
 
 
-def write_gguf(name: str, hf, path) -> str:
+def write_gguf(name: str, hf, path, qtype: str | None = None) -> str:
     """The HF model as a float32 GGUF file, as llama.cpp's converter lays it out: tensor names from
     the gguf package's own HF -> GGUF name map, the family's metadata keys, and for Gemma the
     converter's +1 on every norm weight (llama.cpp runs a plain RMSNorm); Gemma 2's soft-caps; Granite's
-    multipliers as llama.cpp's *_scale keys and its q/k rows permuted, as LlamaModel.permute does."""
+    multipliers as llama.cpp's *_scale keys and its q/k rows permuted, as LlamaModel.permute does.
+    qtype (e.g. "Q8_0"): the 2-D projection matrices stored in that format (gguf's own quantizer)."""
     import gguf
     arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
             "granite": gguf.MODEL_ARCH.GRANITE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -132,7 +133,12 @@ def write_gguf(name: str, hf, path) -> str:
         if name in ("granite", "smollm3", "mixtral") and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-        w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy())
+        gname, arr = names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy()
+        if qtype and arr.ndim == 2 and "proj" in key:
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(arr, q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -71,6 +71,30 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
         llm.shutdown()
 
 
+def _as_llama_cpp_writes_it(name: str, hf, tmp_path):
+    """The family's test model, re-saved where a GGUF of that architecture cannot say what the test
+    model does (llama.cpp's fixed patterns and scales, no windows in some archs)."""
+    v = hf.config.vocab_size
+    if name == "gemma3_text":      # what a gemma3 GGUF can say: every 6th layer global, local RoPE base 10000
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, head_dim=32, num_hidden_layers=6,
+                           sliding_window=24, query_pre_attn_scalar=32)
+    if name == "gemma2":           # llama.cpp scales by 1/sqrt(head_dim) below 27B: query_pre_attn_scalar = head_dim
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, head_dim=16, num_hidden_layers=4,
+                           sliding_window=24, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                           final_logit_softcapping=3.0)
+    if name == "qwen3":            # llama.cpp's qwen3 has no sliding layers
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, head_dim=32)
+    if name == "smollm3":          # llama.cpp's smollm3: every 4th layer without RoPE (no key says so)
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+                           pad_token_id=0)
+    if name == "mixtral":          # llama.cpp writes Mixtral as a llama with experts (and no window)
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3_moe":        # llama.cpp's qwen3moe: every layer an MoE layer, top-k renormalised
+        return save_family(name, tmp_path / "hf", v, sharpen=5.0, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, mlp_only_layers=[])
+    return hf
+
+
 @pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "granite", "qwen3_moe", "smollm3", "phi3",
                                   "mixtral"])
 def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
@@ -78,25 +102,7 @@ def test_gguf_file_loads_to_the_same_model(saved, tmp_path, name):
     from pagedserve.core.request import Request
     from pagedserve.core.scheduler import ScheduledSeq, SchedulerOutput
     from tests.model.families import write_gguf
-    _, hf = saved[name]
-    if name == "gemma3_text":      # what a gemma3 GGUF can say: every 6th layer global, local RoPE base 10000
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=32, num_hidden_layers=6,
-                         sliding_window=24, query_pre_attn_scalar=32)
-    elif name == "gemma2":         # llama.cpp scales by 1/sqrt(head_dim) below 27B: query_pre_attn_scalar = head_dim
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=16, num_hidden_layers=4,
-                         sliding_window=24, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
-                         final_logit_softcapping=3.0)
-    elif name == "qwen3":          # llama.cpp's qwen3 has no sliding layers
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, head_dim=32)
-    elif name == "smollm3":        # llama.cpp's smollm3: every 4th layer without RoPE (no key says so)
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_hidden_layers=4,
-                         no_rope_layers=[1, 1, 1, 0], pad_token_id=0)
-    elif name == "mixtral":        # llama.cpp writes Mixtral as a llama with experts (and no window)
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_local_experts=4,
-                         num_experts_per_tok=2)
-    elif name == "qwen3_moe":      # llama.cpp's qwen3moe: every layer an MoE layer, top-k renormalised
-        hf = save_family(name, tmp_path / "hf", hf.config.vocab_size, sharpen=5.0, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, mlp_only_layers=[])
+    hf = _as_llama_cpp_writes_it(name, saved[name][1], tmp_path)
     path = write_gguf(name, hf, tmp_path / f"{name}.gguf")
     model, cfg = load_model(resolve_model(path))
     assert (cfg.arch, cfg.qk_norm) == ({"mixtral": "llama"}.get(name, name.removesuffix("_text").replace("_", "")),
@@ -183,3 +189,25 @@ def test_window_groups_give_blocks_back_while_full_layers_keep_theirs(saved, nam
         assert seen > 0 and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
     ref, ref_lp = hf_greedy(hf, prompt, 24)
     assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gemma2", "granite", "smollm3", "qwen3_moe", "mixtral", "phi3"])
+def test_packed_gguf_weights_compute_what_the_dequantized_model_computes(saved, tmp_path, name):
+    """A Q8_0 GGUF of each family loaded with --quantization gguf in float32: the projection matrices
+    stay packed (the qmatmul kernels read them) and the logits are the dequantized model's."""
+    from pagedserve.model.quant import PackedWeight
+    from tests.model.families import write_gguf
+    hf = _as_llama_cpp_writes_it(name, saved[name][1], tmp_path)
+    path = write_gguf(name, hf, tmp_path / f"{name}-q8.gguf", qtype="Q8_0")
+    ids = _prompts(hf.config.vocab_size)[2]
+    logits = {}
+    for quant in ("gguf", "none"):
+        model, cfg = load_model(resolve_model(path), quantization=quant)
+        packed = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), PackedWeight)]
+        assert bool(packed) == (quant == "gguf"), (quant, packed[:3])
+        if quant == "gguf":        # every projection of the attention stays packed (fused or not)
+            assert all(f"layers.{i}.qkv_proj" in packed and f"layers.{i}.o_proj" in packed
+                       for i in range(cfg.num_layers)), packed
+        runner = ModelRunner(model, num_blocks=1 + 6 * cfg.kv_layout.num_groups, block_size=16)
+        logits[quant] = forward_all_rows(runner, [(make_request("a", ids), 0, len(ids), blocks_for(1, len(ids), 16))])
+    assert (logits["gguf"] - logits["none"]).abs().max().item() < 1e-4
