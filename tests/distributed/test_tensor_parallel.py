@@ -19,6 +19,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.errors import EngineDeadError
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.loader import read_model_config, resolve_model
 from tests.model.helpers import save_random_llama
 
 
@@ -42,6 +43,9 @@ def _children() -> list[int]:
 
 
 def _run(model: str, tp: int, prompts, params, **kw):
+    if "num_kv_blocks" not in kw:     # the same pool bytes whatever the KV layout (a block id spans its planes)
+        cfg = read_model_config(resolve_model(model))
+        kw["num_kv_blocks"] = 1 + (TIGHT["num_kv_blocks"] - 1) * cfg.num_layers // cfg.kv_layout.planes
     with LLM(model, tensor_parallel_size=tp, **{**TIGHT, **kw}) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return outs, llm.engine.counters.preemptions
