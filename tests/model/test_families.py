@@ -211,3 +211,17 @@ def test_packed_gguf_weights_compute_what_the_dequantized_model_computes(saved, 
         runner = ModelRunner(model, num_blocks=1 + 6 * cfg.kv_layout.num_groups, block_size=16)
         logits[quant] = forward_all_rows(runner, [(make_request("a", ids), 0, len(ids), blocks_for(1, len(ids), 16))])
     assert (logits["gguf"] - logits["none"]).abs().max().item() < 1e-4
+
+
+def test_one_table_for_every_layer_when_the_hybrid_manager_is_off(saved):
+    """--disable-hybrid-kv-cache-manager (vLLM's flag): Gemma 3's layers share one table, nothing is
+    given back behind the windows (the attention still applies them), tokens still HF's."""
+    d, hf = saved["gemma3_text"]
+    prompt = _prompts(hf.config.vocab_size)[2]
+    with LLM(d, dtype="float32", num_kv_blocks=64, block_size=8, disable_hybrid_kv_cache_manager=True) as llm:
+        eng = llm.engine
+        assert eng.kv.windows == (0,) and eng.runner.layout.planes == hf.config.num_hidden_layers
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+    ref, ref_lp = hf_greedy(hf, prompt, 24)
+    assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
