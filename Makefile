@@ -49,7 +49,7 @@ bench-llamacpp: setup
 LLAMACPP_SRC := build/llama.cpp/llama_cpp_python-0.3.36
 bench-llama-server: setup
 	mkdir -p build/llama.cpp
-	[ -d $(LLAMACPP_SRC) ] || ($(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 \
+	[ -d $(LLAMACPP_SRC) ] || ($(PY) -m pip download --quiet --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 \
 		-d build/llama.cpp && tar xzf build/llama.cpp/llama_cpp_python-0.3.36.tar.gz -C build/llama.cpp)
 	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B build/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMACPP_CMAKE)
