@@ -54,7 +54,7 @@ bench-llama-server: setup
 	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B build/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMACPP_CMAKE)
 	cmake --build build/llama.cpp/build -j$$(nproc) --target llama-server llama-quantize
-	mkdir -p build/llama.cpp/bin && cp build/llama.cpp/build/bin/llama-server build/llama.cpp/bin/llama-quantize build/llama.cpp/bin/
+	mkdir -p build/llama.cpp/bin && cp build/llama.cpp/build/bin/llama-server build/llama.cpp/build/bin/llama-quantize build/llama.cpp/bin/
 
 clean:
 	rm -rf $(VENV)
