@@ -38,8 +38,7 @@ class KVCacheManager:
     behind its window go back to the pool (the null block stands in for them)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, reserve_tokens: int | None = None, sliding_window: int = 0,
-                 windows: tuple[int, ...] | None = None):
+                 num_host_blocks: int = 0, reserve_tokens: int | None = None, windows: tuple[int, ...] = (0,)):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -48,7 +47,7 @@ class KVCacheManager:
         # contiguous policy: reserve this many tokens' worth of blocks at admission (None = paged)
         self.reserve_tokens = reserve_tokens
         # per group of layers: 0 full attention, W > 0 the last W positions only (KVLayout.windows)
-        self.windows: tuple[int, ...] = tuple(windows) if windows is not None else (sliding_window,)
+        self.windows: tuple[int, ...] = tuple(windows)
         self.req_blocks: dict[str, list[list[KVBlock]]] = {}   # request -> a block list per group
         self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
         self.host_free: deque[int] = deque(range(num_host_blocks))
@@ -81,15 +80,17 @@ class KVCacheManager:
         the step's chunk are live (+1: they may straddle a block edge)."""
         return self.blocks_needed(window - 1 + max_chunk) + 1
 
+    def _all_groups(self, blocks: int, max_chunk: int) -> int:
+        """`blocks` per group, but at most what its window keeps live in a sliding group."""
+        return sum(min(blocks, self._window_blocks(w, max_chunk)) if w else blocks for w in self.windows)
+
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks (all groups together) a request of num_tokens ever holds at once."""
-        full = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
-        return sum(min(full, self._window_blocks(w, max_chunk)) if w else full for w in self.windows)
+        return self._all_groups(self.blocks_needed(max(num_tokens, self.reserve_tokens or 0)), max_chunk)
 
     def new_blocks_needed(self, num_tokens: int) -> int:
         """Blocks (all groups) that num_tokens more positions take from the pool, at most."""
-        n = self.blocks_needed(num_tokens)
-        return sum(min(n, self._window_blocks(w, num_tokens)) if w else n for w in self.windows)
+        return self._all_groups(self.blocks_needed(num_tokens), num_tokens)
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The first group's block table (the only one of a model whose layers all see the same window)."""
@@ -142,22 +143,29 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // bs
         self._ensure_hashes(req, max_blocks * bs)
         hashes = req.block_hashes[:max_blocks]
+        found: list[list[KVBlock | None]] = [[] for _ in self.windows]   # per group, hashes[0..] looked up
         m = max_blocks
         for g, w in enumerate(self.windows):
             if not w:                      # full attention: the leading run of cached blocks
-                m = next((i for i in range(m) if lookup(self._key(g, hashes[i])) is None), m)
+                for h in hashes[:m]:
+                    b = lookup(self._key(g, h))
+                    if b is None:
+                        break
+                    found[g].append(b)
+                m = min(m, len(found[g]))
         ok = [True] * (m + 1)              # ok[i]: a hit of i blocks serves every sliding group
         for g, w in enumerate(self.windows):
             if w:
+                found[g] = [lookup(self._key(g, h)) for h in hashes[:m]]
                 run = 0                    # cached blocks ending at block i - 1
-                for i in range(1, m + 1):
-                    run = run + 1 if lookup(self._key(g, hashes[i - 1])) is not None else 0
+                for i, b in enumerate(found[g], 1):
+                    run = run + 1 if b is not None else 0
                     ok[i] = ok[i] and run >= i - self._dead(w, i * bs)
         m = max(i for i in range(m + 1) if ok[i])
         hit = []
-        for g, w in enumerate(self.windows):
+        for w, f in zip(self.windows, found):
             dead = self._dead(w, m * bs)
-            hit.append([self.pool.null_block] * dead + [lookup(self._key(g, hashes[i])) for i in range(dead, m)])
+            hit.append([self.pool.null_block] * dead + f[dead:m])
         return hit, m * bs
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

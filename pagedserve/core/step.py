@@ -87,11 +87,10 @@ class ScheduledSeq:
         return self if self.sampling is None else replace(self, sampling=self.sampling.for_workers())
 
     @classmethod
-    def of(cls, req: Request, start: int, n: int, block_tables, sample: bool,
+    def of(cls, req: Request, start: int, n: int, block_tables: tuple[tuple[int, ...], ...], sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
            draft: tuple[int, ...] = ()) -> ScheduledSeq:
-        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start,
-                   tuple(map(tuple, block_tables)),
+        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, block_tables,
                    SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft))
 
 

@@ -83,8 +83,10 @@ class LLMEngine:
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
         # bytes of one token in every layer (full attention everywhere: the seed's arithmetic)
         self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))
-        self.kv_layout = layout = cfg.kv_layout if not args.disable_hybrid_kv_cache_manager or \
-            cfg.kv_layout.num_groups == 1 else KVLayout.uniform(cfg.num_layers)
+        layout = cfg.kv_layout
+        if args.disable_hybrid_kv_cache_manager and layout.num_groups > 1:    # one table: every layer full
+            layout = KVLayout.uniform(cfg.num_layers)
+        self.kv_layout = layout
         # a block id spans `planes` layers (all of them, unless groups of layers have tables of their own)
         self.kv_block_bytes = self.kv_cache_bytes_per_token // cfg.num_layers * layout.planes * args.block_size
         num_blocks = self._size_kv_pool(kv_dtype)

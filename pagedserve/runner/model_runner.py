@@ -113,13 +113,14 @@ class ModelRunner:
             ctx = start + n
             ids.extend(s.token_ids)
             pos.extend(range(start, ctx))
+            decode = s.is_decode       # with drafts: one decode row per token, each seeing one position more
             for g, blocks in enumerate(s.block_tables):
                 slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
-                if s.is_decode:        # with drafts: one decode row per token, each seeing one position more
+                if decode:
                     dec_tables[g].extend([blocks] * n)
                 else:
                     pre_tables[g].append(blocks[: -(-ctx // bs)])
-            if s.is_decode:
+            if decode:
                 assert not pre_lens, "decode rows come before prefill chunks"
                 dec_lens.extend(range(start + 1, ctx + 1))
             else:

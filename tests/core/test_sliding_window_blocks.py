@@ -14,7 +14,7 @@ def decode(kv, r, n=1):
 
 
 def test_blocks_behind_the_window_return_to_the_pool():
-    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=10, block_size=4, windows=(6,))
     r = req("a", range(100, 110), max_tokens=20)          # 10 tokens: blocks 1, 2, 3
     admit(kv, r)
     assert kv.block_ids("a") == (1, 2, 3) and kv.num_free_blocks == 6
@@ -33,7 +33,7 @@ def test_blocks_behind_the_window_return_to_the_pool():
 
 def test_a_long_sequence_runs_in_a_pool_smaller_than_its_length():
     """40 tokens in blocks of 4 need 10 blocks without the window; with W = 8 a handful suffice."""
-    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=8)      # 4 usable blocks
+    kv = KVCacheManager(num_blocks=5, block_size=4, windows=(8,))      # 4 usable blocks
     r = req("a", range(100, 104), max_tokens=40)
     admit(kv, r)
     decode(kv, r, 36)
@@ -44,7 +44,7 @@ def test_a_long_sequence_runs_in_a_pool_smaller_than_its_length():
 
 
 def test_forks_share_live_blocks_and_the_prefix_cache_keeps_given_back_blocks():
-    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=12, block_size=4, windows=(6,))
     parent = req("p", range(100, 110), max_tokens=8)
     admit(kv, parent)
     decode(kv, parent)                                 # block 1 given back; still cached (evictable)
@@ -63,7 +63,7 @@ def test_forks_share_live_blocks_and_the_prefix_cache_keeps_given_back_blocks():
 
 
 def test_swap_keeps_the_null_blocks_and_copies_only_live_ones():
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_host_blocks=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_host_blocks=4, windows=(6,))
     r = req("a", range(100, 110), max_tokens=8)
     admit(kv, r)
     decode(kv, r)
@@ -80,7 +80,7 @@ def test_swap_keeps_the_null_blocks_and_copies_only_live_ones():
 
 
 def test_a_prefix_hit_takes_only_the_blocks_inside_the_window():
-    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=12, block_size=4, windows=(6,))
     admit(kv, req("a", range(100, 117)))              # 17 tokens: blocks 1..5, 1..4 full and cached
     b = req("b", list(range(100, 116)) + [5, 6])       # the same 16 tokens, then others
     computed, n = kv.get_computed_blocks(b)
@@ -92,7 +92,7 @@ def test_a_prefix_hit_takes_only_the_blocks_inside_the_window():
 
 
 def test_admission_counts_only_the_blocks_a_window_keeps_live():
-    kv = KVCacheManager(num_blocks=7, block_size=4, sliding_window=8)   # 6 usable blocks
+    kv = KVCacheManager(num_blocks=7, block_size=4, windows=(8,))   # 6 usable blocks
     assert kv.max_blocks_held(400, max_chunk=8) == 5           # ceil((7 + 8) / 4) + 1
     assert KVCacheManager(7, 4).max_blocks_held(400, max_chunk=8) == 100
 

@@ -53,7 +53,7 @@ def test_greedy_matches_hf(tiny):
         blocks = blocks_for(1, plen + 32, 16)
         start, n = 0, plen
         for _ in range(32):
-            out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, (blocks,), True),)))
+            out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, (tuple(blocks),), True),)))
             req.append_token(out.sampled["r"][0].token_id)
             start, n = start + n, 1
         assert_greedy_match(req.output_token_ids, ref, ref_lp)
