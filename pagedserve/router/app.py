@@ -138,16 +138,24 @@ def build_router(urls: list[str], policy: str = "cache_aware", health_interval_s
 
 
 async def _pass_stream(resp: httpx.Response, replica: Replica, pol: RoutingPolicy):
+    """The replica's event stream as it comes; a stream that breaks, or ends without its closing
+    `data: [DONE]` (a replica killed between two chunks can close the connection cleanly), ends with
+    an SSE error event instead, so the client is told it failed."""
+    tail, why = b"", "ended without [DONE]"
     try:
         async for chunk in resp.aiter_raw():
+            tail = (tail + chunk)[-32:]
             yield chunk
+        if tail.rstrip().endswith(b"data: [DONE]"):
+            return
     except httpx.HTTPError as e:
-        replica.healthy = False
-        err = _error(502, f"the replica {replica.url} failed mid-stream: {type(e).__name__}")
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        why = type(e).__name__
     finally:
         pol.done(replica)
         await resp.aclose()
+    replica.healthy = False
+    err = _error(502, f"the replica {replica.url} failed mid-stream: {why}")
+    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 def _queue(resp: httpx.Response) -> int:

@@ -111,7 +111,11 @@ def test_a_replica_killed_mid_run(replicas):
             with contextlib.suppress(httpx.HTTPError):
                 if body["stream"]:
                     with httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as s:
+                        if s.status_code != 200:    # failed before the first event: a plain JSON error
+                            return "error" if "error" in json.loads(s.read()) else "bad"
                         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+                    if not events:
+                        return "empty"
                     if events[-1] == "[DONE]" and any('"error"' in e for e in events):
                         return "error"
                     return "ok" if events[-1] == "[DONE]" else "truncated"
@@ -153,3 +157,37 @@ def test_serve_data_parallel_size_starts_replicas_behind_the_router():
         for i in (1, 2):
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=2)
+
+
+def test_a_stream_that_ends_without_done_ends_with_an_error_event():
+    """A replica killed between two chunks can close its stream cleanly: the client still gets told."""
+    import asyncio
+    import types
+    from pagedserve.router.app import _pass_stream
+
+    class Upstream:
+        def __init__(self, chunks):
+            self.chunks, self.closed = chunks, False
+
+        async def aiter_raw(self):
+            for c in self.chunks:
+                yield c
+
+        async def aclose(self):
+            self.closed = True
+
+    async def passed(chunks):
+        replica = types.SimpleNamespace(url="http://r", healthy=True)
+        pol = types.SimpleNamespace(done=lambda r: None)
+        up = Upstream(chunks)
+        out = b"".join([c async for c in _pass_stream(up, replica, pol)])
+        return out, replica.healthy, up.closed
+
+    whole = [b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"]
+    assert asyncio.run(passed(whole)) == (b"".join(whole), True, True)
+    out, healthy, closed = asyncio.run(passed(whole[:1]))
+    events = [line[6:] for line in out.decode().splitlines() if line.startswith("data: ")]
+    assert events[0] == '{"x": 1}' and '"error"' in events[1] and events[-1] == "[DONE]"
+    assert not healthy and closed
+    out, _, _ = asyncio.run(passed([]))
+    assert b'"error"' in out and out.endswith(b"data: [DONE]\n\n")
