@@ -119,6 +119,12 @@ class EngineArgs:
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": '
         '1, "prompt_lookup_max": 3}; each step drafts only where the expected accepted tokens pay for the rows '
         '(measured at start-up; "adaptive": false drafts always)'))
+    traffic_classes: str | list | None = field(default=None, metadata=_h(
+        'traffic classes, a JSON list or a file holding one: [{"name": "interactive", "priority": 0, "itl_p99_ms": '
+        '150}, {"name": "batch", "priority": 10}]; keys name, priority (required), ttft_p99_ms, itl_p99_ms, '
+        'max_running, max_budget_share, max_waiting, preemption_mode. A request picks one by traffic_class, the '
+        'X-Traffic-Class header or its priority band; higher classes preempt lower ones, and while a class with an '
+        'ITL target decodes, prefill is cut to keep the predicted step under it'))
     distributed_executor_backend: str = field(default="mp", metadata=_h(
         "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
         "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
@@ -166,6 +172,9 @@ class EngineArgs:
             bad("speculative_config", "is not supported with tensor_parallel_size > 1")
         if spec is not None and self.scheduling_policy == "static":
             bad("speculative_config", "is not supported with scheduling_policy static")
+        from pagedserve.core.traffic import TrafficClasses
+        if TrafficClasses.parse(self.traffic_classes) is not None and self.scheduling_policy == "static":
+            bad("traffic_classes", "are not supported with scheduling_policy static")
 
     @classmethod
     def defaults(cls) -> dict:

@@ -34,7 +34,8 @@ class Request:
     params: SamplingParams
     max_tokens: int                              # resolved: params.max_tokens or what max_model_len allows
     eos_token_ids: tuple[int, ...] = ()
-    priority: int = 0                            # lower is served first
+    priority: int = 0                            # lower is served first (within its traffic class)
+    traffic_class: int = 0                       # rank of its class (core/traffic.py; 0 without classes)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0                         # FCFS tie-break, set by the scheduler
     status: RequestStatus = RequestStatus.WAITING
@@ -77,10 +78,10 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int, int]:
-        """A total order: the n samples of one request share priority and arrival, so the sample
-        index breaks the tie (two queue entries never compare equal)."""
-        return (self.priority, self.arrival_seq, self.seq_index)
+    def sort_key(self) -> tuple[int, int, int, int]:
+        """A total order: class first, then priority; the n samples of one request share priority and
+        arrival, so the sample index breaks the tie (two queue entries never compare equal)."""
+        return (self.traffic_class, self.priority, self.arrival_seq, self.seq_index)
 
     @property
     def num_pending_forks(self) -> int:

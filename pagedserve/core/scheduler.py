@@ -1,7 +1,16 @@
 """The continuous-batching scheduler. Each step forms one batch under a token budget:
 running requests first (decodes and unfinished prefill chunks), then waiting requests in
 priority order while their blocks fit. When the pool is full, the lowest-priority, most recently
-admitted running request is preempted (recompute or swap). Plain Python: no torch."""
+admitted running request is preempted (recompute or swap). Plain Python: no torch.
+
+With traffic classes (core/traffic.py) the order is class first, and each step also keeps every
+class within its limits (`_StepLimits`): its running sequences, its share of the token budget, and,
+while a class with an ITL target has running decodes, a prefill budget sized so the step's
+predicted time (`step_cost`, the engine's fitted model) stays under the tightest target. A waiting
+request of a higher class preempts running requests of lower classes when it lacks a slot or blocks
+(lowest class, most recently admitted first, each in its class's preemption mode). No class starves
+(a minimum share): class preemption never takes a class's last running sequence, and while a class
+has waiting work and nothing running, higher classes leave a max_num_seqs slot free for it."""
 from __future__ import annotations
 
 import bisect
@@ -17,12 +26,15 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import AcceptancePrior, Candidate, SpecStats, choose_drafts, propose_ngram, \
     update_acceptance
 from pagedserve.core.step import PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
+from pagedserve.core.traffic import ITL_HEADROOM, TTFT_STEP_SHARE, TrafficClasses
 from pagedserve.errors import ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
 
 
 _ARGS = EngineArgs.defaults()
+# prefill tokens a step may always take while an ITL target caps prefill, so prompts never stall
+MIN_PREFILL_CHUNK = 16
 
 
 @dataclass(slots=True)
@@ -50,8 +62,8 @@ class Scheduler:
         self.cfg = cfg
         self.kv = kv
         self.clock = clock                        # injectable: the simulator runs on simulated time
-        self.waiting: list[tuple[tuple[int, int, int], Request]] = []   # heap on Request.sort_key (a total order)
-        self.running: list[Request] = []          # kept sorted by (priority, arrival): victims come off the end
+        self.waiting: list[tuple[tuple[int, ...], Request]] = []   # heap on Request.sort_key (a total order)
+        self.running: list[Request] = []          # kept sorted by (class, priority, arrival): victims come off the end
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_preemptions = 0
@@ -61,6 +73,11 @@ class Scheduler:
         self.spec_cost = None                     # spec_decode.StepCostTable (adaptive drafting), set by the engine
         self.spec_stats = SpecStats()
         self.spec_prior = AcceptancePrior()
+        self.classes: TrafficClasses | None = None    # traffic classes (--traffic-classes), set by the engine
+        # predicted seconds of a step from its rows (start, tokens, samples): sizes prefill under an ITL target
+        self.step_cost: Callable[[list[tuple[int, int, int]]], float] | None = None
+        self.last_limits: dict[str, str] = {}     # class name -> the limit that held it back in the last step
+        self._num_admitted = 0                    # waiting requests admitted in the step being formed
 
     def held(self) -> dict[str, int]:
         """Per-request entries (none once every request has finished)."""
@@ -94,6 +111,15 @@ class Scheduler:
         cap = self.cfg.max_waiting_requests
         if cap is not None and len(self.waiting) >= cap:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
+        if self.classes is not None:
+            tc = self.classes[req.traffic_class]
+            if tc.max_running is not None and req.num_samples > tc.max_running:
+                raise ParamError("n", f"n ({req.num_samples}) exceeds max_running ({tc.max_running}) of traffic class "
+                                      f"{tc.name!r}: each sample is a running sequence")
+            if tc.max_waiting is not None and sum(r.traffic_class == req.traffic_class
+                                                  for _, r in self.waiting) >= tc.max_waiting:
+                raise QueueFullError(f"the waiting queue of traffic class {tc.name!r} is full ({tc.max_waiting} "
+                                     f"requests); retry later")
         self.check_fits(req.num_prompt_tokens, req.max_tokens, req.num_samples)
         req.arrival_seq = next(self._seq)
         self.requests[req.request_id] = req
@@ -103,7 +129,8 @@ class Scheduler:
         """Sample i of an n > 1 request: shares the parent's blocks and runs from where it is."""
         seed = None if parent.generator_seed is None else (parent.generator_seed + i) % 2**64
         child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params, parent.max_tokens,
-                        parent.eos_token_ids, parent.priority, parent.arrival_time, arrival_seq=parent.arrival_seq,
+                        parent.eos_token_ids, parent.priority, parent.traffic_class, parent.arrival_time,
+                        arrival_seq=parent.arrival_seq,
                         status=RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens, seq_index=i,
                         parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
                         first_scheduled_time=parent.first_scheduled_time, generator_seed=seed,
@@ -124,10 +151,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan: list[tuple[Request, int]] = []      # (request, tokens to compute), in scheduling order
         preempted: list[str] = []
-        budget = self._schedule_running(plan, preempted, self.cfg.max_num_batched_tokens)
-        num_running = len(plan)
-        if not preempted:
-            budget = self._schedule_waiting(plan, budget)
+        budget, self._num_admitted = self.cfg.max_num_batched_tokens, 0
+        if self.classes is None:
+            budget = self._schedule_running(plan, preempted, budget, None)
+            if not preempted:
+                budget = self._schedule_waiting(plan, budget, None, preempted, self._waiting_head())
+        else:                                     # class by class: its running requests, then its waiting ones
+            lim = _StepLimits(self)
+            order = [r for _, r in sorted(self.waiting, key=lambda e: e[0])]
+            starved = {r.traffic_class for r in order if lim.running[r.traffic_class] == 0}
+            for c in range(len(self.classes)):
+                budget = self._schedule_running(plan, preempted, budget, lim, c)
+                if not preempted and not lim.stopped:
+                    reserve = sum(1 for k in starved if k > c)   # a slot kept for each starved class below
+                    budget = self._schedule_waiting(plan, budget, lim, preempted,
+                                                    (r for r in order if r.traffic_class == c), reserve)
+            self._rebuild_waiting()
+            self.last_limits = lim.held
         drafts = self._drafts(plan, budget) if self.spec is not None and budget > 0 else {}
         plan.sort(key=lambda p: p[1] != 1)        # decodes (with their drafts) first: the runner batches them
         seqs = tuple(self._scheduled(req, n, drafts.get(req.request_id, ())) for req, n in plan)
@@ -135,7 +175,7 @@ class Scheduler:
                             and self.requests[s.request_id].grammar is not None)
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
         return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
-                               num_admitted=len(plan) - num_running)
+                               num_admitted=self._num_admitted)
 
     def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
         """Speculative decoding: draft tokens for the step's decodes, from what is left of the token
@@ -201,75 +241,182 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return n
 
-    def _schedule_running(self, plan: list, preempted: list[str], budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk(req, budget)
+    def _schedule_running(self, plan: list, preempted: list[str], budget: int, lim: _StepLimits | None,
+                          klass: int | None = None) -> int:
+        """Running requests (of one class, with classes) in order: decodes and prefill chunks. When
+        blocks run out the last running request (lowest class, most recently admitted) is preempted.
+        Under an ITL target, a class without a target of its own goes longest-waiting first, and its
+        decodes that would push the step past the target wait for a later step (one always runs)."""
+        order = [r for r in self.running if klass is None or r.traffic_class == klass]
+        deferrable = lim is not None and lim.target is not None and self.classes[klass].itl_p99_ms is None
+        if deferrable:
+            order.sort(key=lambda r: r.last_token_time or 0.0)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or (lim is not None and req.request_id in lim.rows):
+                continue                          # preempted below, or admitted earlier in this step
+            if deferrable and req.num_computed_tokens + 1 == req.num_tokens and lim.defer(req):
+                continue
+            n = self._chunk(req, budget if lim is None else lim.allowance(req, budget))
+            if lim is not None and self.cfg.enable_chunked_prefill:
+                n = lim.fit(req, req.num_computed_tokens, n)
             if n <= 0 or (not self.cfg.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens):
-                i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]         # lowest priority, most recently admitted: not yet scheduled
-                self._preempt(victim, preempted)
+                victim = self.running[-1]         # lowest priority, most recently admitted
+                budget += self._evict(victim, plan, preempted, lim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:    # preempted itself: nothing below it runs either
                 continue
             plan.append((req, n))
+            if lim is not None:
+                lim.take(req, req.num_computed_tokens, n)
             budget -= n
-            i += 1
         return budget
 
-    def _schedule_waiting(self, plan: list, budget: int) -> int:
+    def _rebuild_waiting(self) -> None:
+        """The queue without the requests admitted this step (with classes they are taken from a snapshot,
+        not popped), each request once (one admitted and preempted again in the same step was pushed anew)."""
+        seen: set[int] = set()
+        keep = []
+        for k, r in self.waiting:
+            if r.status is not RequestStatus.RUNNING and id(r) not in seen:
+                seen.add(id(r))
+                keep.append((r.sort_key, r))
+        heapq.heapify(keep)
+        self.waiting = keep
+
+    def _waiting_head(self) -> Iterator[Request]:
+        """The queue's head, again and again (the caller pops what it admits, or stops)."""
+        while self.waiting:
+            yield self.waiting[0][1]
+
+    def _schedule_waiting(self, plan: list, budget: int, lim: _StepLimits | None, preempted: list[str],
+                          candidates: Iterator[Request], reserve: int = 0) -> int:
+        """Admit waiting requests in the order given while slots, blocks and budget allow. With classes
+        (the candidates are one class's), a request lacking a slot or blocks may preempt running requests
+        of lower classes; a class held by its own limits stops, its requests keeping their order; one
+        lacking blocks stops every class after it. `reserve`: slots kept for lower classes that have
+        waiting work and nothing running (their minimum share)."""
         static = self.cfg.policy == "static"
         if static and not self.static_batch:
             # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
             # admitted until its last member finishes (members still join as budget and blocks allow)
             self.static_batch = {r.request_id for _, r in heapq.nsmallest(self.cfg.max_num_seqs, self.waiting)}
-        num_seqs = self.num_seqs()
-        while self.waiting and budget > 0:
-            req = self.waiting[0][1]
+        slots = self.cfg.max_num_seqs - reserve
+        for req in candidates:
+            if budget <= 0:
+                break
             if static and req.request_id not in self.static_batch:
                 break
-            if num_seqs + 1 + req.num_pending_forks > self.cfg.max_num_seqs:
+            allowance = budget
+            if lim is not None:
+                if lim.blocked(req):
+                    break                         # its class's own limit: its later requests wait too
+                allowance = lim.allowance(req, budget)
+            while self.num_seqs() + 1 + req.num_pending_forks > slots:
+                freed = None if lim is None else self._preempt_lower(req, plan, preempted, lim)
+                if freed is None:
+                    break
+                budget += freed
+            if self.num_seqs() + 1 + req.num_pending_forks > slots:
+                if lim is not None:
+                    lim.held.setdefault(self.classes[req.traffic_class].name, "max_num_seqs" if not reserve else
+                                        f"max_num_seqs ({reserve} kept for lower classes with nothing running)")
                 break
-            if req.status is RequestStatus.SWAPPED:
-                if not self.kv.swap_in(req):
-                    break
-                n = self._chunk(req, budget)
-                if not self.kv.allocate_slots(req, n):
-                    self.kv.free(req)             # cannot happen often: undo, recompute later
-                    req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
-                    break
-            else:
-                computed, num_hit = self.kv.get_computed_blocks(req)
-                n = self._chunk(req, budget, num_hit)
-                if not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
-                    break
-                if not self.kv.allocate_slots(req, n, computed):
-                    break
-                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-            heapq.heappop(self.waiting)
+            n = self._admit(req, allowance, plan, preempted, lim)
+            if not n:                             # no blocks (None) or no prefill time (0) for it
+                if lim is not None:
+                    lim.stop(req, "no free KV blocks" if n is None else "no prefill time left (ITL target)")
+                break
+            if lim is None:
+                heapq.heappop(self.waiting)       # with classes the queue is rebuilt after the step's plan
+            self._num_admitted += 1
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
             bisect.insort(self.running, req, key=_sort_key)
             plan.append((req, n))
             budget -= n
-            num_seqs += 1 + req.num_pending_forks
+            if lim is not None:
+                lim.take(req, req.num_computed_tokens, n, admitted=True)
         return budget
+
+    def _admit(self, req: Request, budget: int, plan: list, preempted: list[str], lim: _StepLimits | None) -> int | None:
+        """Blocks for a waiting request's first chunk (its swapped blocks back, or its prefix hits and new
+        blocks); with classes, lower classes are preempted while that fails. Its chunk, 0 when an ITL
+        target leaves no prefill time, or None when it does not fit."""
+        if req.status is RequestStatus.SWAPPED:
+            n = self._chunk(req, budget)
+            if lim is not None and self.cfg.enable_chunked_prefill:
+                n = lim.fit(req, req.num_computed_tokens, n)
+                if n <= 0:
+                    return 0
+            if not self.kv.swap_in(req):
+                return None
+            if n <= 0 or not self.kv.allocate_slots(req, n):
+                self.kv.free(req)                 # cannot happen often: undo, recompute later
+                req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
+                return None
+            return n
+        while True:
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            n = self._chunk(req, budget, num_hit)
+            if lim is not None and self.cfg.enable_chunked_prefill:
+                n = lim.fit(req, num_hit, n)
+                if n <= 0:
+                    return 0
+            if n <= 0 or (not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_hit):
+                return None
+            if self.kv.allocate_slots(req, n, computed):
+                break
+            if lim is None or self._preempt_lower(req, plan, preempted, lim) is None:
+                return None
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        return n
+
+    def _preempt_lower(self, req: Request, plan: list, preempted: list[str], lim: _StepLimits) -> int | None:
+        """Preempt one running sequence of a class below req's: the lowest class, most recently admitted
+        first, never a class's last running sequence (the minimum share). The tokens it gives back to
+        the step's budget, or None when there is none to preempt."""
+        for victim in reversed(self.running):
+            c = victim.traffic_class
+            if c <= req.traffic_class:
+                return None                       # running is in class order: nothing lower is left
+            if lim.running[c] - 1 - victim.num_pending_forks >= 1:
+                return self._evict(victim, plan, preempted, lim)
+        return None
+
+    def _evict(self, victim: Request, plan: list, preempted: list[str], lim: _StepLimits | None) -> int:
+        """Preempt a running request; if this step had planned it, its rows leave the plan. The
+        tokens that gives back to the step's budget."""
+        freed = 0
+        for k, (r, n) in enumerate(plan):
+            if r is victim:
+                del plan[k]
+                freed = n
+                if lim is not None:
+                    lim.untake(victim, n)
+                break
+        self._preempt(victim, preempted, lim)
+        return freed
 
     def num_seqs(self) -> int:
         """Running sequences, counting the forks an n > 1 request adds at its first token."""
         return len(self.running) + sum(r.num_pending_forks for r in self.running)
 
-    def _preempt(self, req: Request, preempted: list[str]) -> None:
+    def _preempt(self, req: Request, preempted: list[str], lim: _StepLimits | None = None) -> None:
         self.running.remove(req)
-        if self.cfg.preemption_mode == "swap" and self.kv.can_swap_out(req):
+        mode = self.cfg.preemption_mode
+        if lim is not None:
+            lim.running[req.traffic_class] -= 1 + req.num_pending_forks
+            mode = self.classes[req.traffic_class].preemption_mode or mode
+        if mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
         else:
@@ -361,12 +508,35 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def class_name(self, req: Request) -> str | None:
+        return None if self.classes is None else self.classes[req.traffic_class].name
+
+    def class_summary(self) -> list[dict] | None:
+        """Per traffic class: its settings, running and waiting requests, and the limit that held it back
+        in the last step (None without classes)."""
+        if self.classes is None:
+            return None
+        running, waiting = [0] * len(self.classes), [0] * len(self.classes)
+        for r in list(self.running):
+            running[r.traffic_class] += 1
+        for _, r in list(self.waiting):
+            waiting[r.traffic_class] += 1
+        limits = dict(self.last_limits)
+        return [{**d, "running": nr, "waiting": nw, "held_by": limits.get(d["name"])}
+                for d, nr, nw in zip(self.classes.describe(), running, waiting)]
+
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
     def waiting_reason(self, req: Request) -> str:
         """Why a waiting request is not running (for /debug/scheduler)."""
         ahead = [r for _, r in self.waiting if r.sort_key < req.sort_key]
+        if self.classes is not None:
+            name = self.classes[req.traffic_class].name
+            if name in self.last_limits:
+                return f"traffic class {name}: {self.last_limits[name]}"
+            if any(r.traffic_class < req.traffic_class for r in ahead):
+                return "a higher traffic class is waiting"
         if self.cfg.policy == "static" and self.static_batch and req.request_id not in self.static_batch:
             return "static batch in flight"
         if self.num_seqs() + 1 + req.num_pending_forks > self.cfg.max_num_seqs:
@@ -381,5 +551,106 @@ class Scheduler:
         return "token budget used"
 
 
-def _sort_key(r: Request) -> tuple[int, int]:
+def _sort_key(r: Request) -> tuple[int, ...]:
     return r.sort_key
+
+
+class _StepLimits:
+    """One step's accounting of traffic classes: sequences running and tokens taken per class, the rows
+    planned so far (for the step-time prediction under an ITL target), and the limit that held each
+    class back (shown in /debug/scheduler)."""
+
+    def __init__(self, sch: Scheduler):
+        cls = self.classes = sch.classes
+        budget = sch.cfg.max_num_batched_tokens
+        self.cap = [None if c.max_budget_share is None else max(1, int(c.max_budget_share * budget))
+                    for c in cls.classes]
+        self.tokens = [0] * len(cls)              # tokens each class takes in this step
+        self.running = [0] * len(cls)             # sequences running per class (pending forks counted)
+        for r in sch.running:
+            self.running[r.traffic_class] += 1 + r.num_pending_forks
+        self.rows: dict[str, tuple[int, int, int]] = {}   # request id -> (start, tokens, samples)
+        self.prefill = 0                          # prefill tokens granted in this step
+        self.decodes = [0] * len(cls)             # decodes per class in this step
+        self.cost = sch.step_cost
+        # the step's time target: the tightest ITL target among classes with running decodes (a decode: a
+        # request past its prompt), and always TTFT_STEP_SHARE of any TTFT target (an arrival waits for
+        # the step in flight, then needs its own)
+        targets = [cls[r.traffic_class].itl_p99_ms for r in sch.running
+                   if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
+        targets += [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
+        self.target = min(targets) / 1e3 * ITL_HEADROOM if targets and self.cost is not None else None
+        self.held: dict[str, str] = {}            # class name -> what held it back
+        self.stopped = False                      # a class lacked slots or blocks: no class after it is admitted
+
+    def allowance(self, req: Request, budget: int) -> int:
+        cap = self.cap[req.traffic_class]
+        return budget if cap is None else min(budget, cap - self.tokens[req.traffic_class])
+
+    def blocked(self, req: Request) -> bool:
+        """Its class's own limits hold a waiting request back (max_running, max_budget_share)."""
+        c = self.classes[req.traffic_class]
+        if c.max_running is not None and self.running[req.traffic_class] + 1 + req.num_pending_forks > c.max_running:
+            self.held.setdefault(c.name, f"max_running ({c.max_running})")
+            return True
+        if self.allowance(req, 1) <= 0:
+            self.held.setdefault(c.name, f"max_budget_share ({c.max_budget_share:g})")
+            return True
+        return False
+
+    def fit(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk of n tokens at `start`, cut so the step's predicted time stays under the ITL
+        target (MIN_PREFILL_CHUNK tokens of prefill a step always get: prompts never stall)."""
+        if self.target is None or n <= 1:
+            return n
+
+        def over(k: int) -> bool:
+            rows = list(self.rows.values())
+            rows.append((start, k, 1 if start + k >= req.num_tokens else 0))
+            return self.cost(rows) > self.target
+        if not over(n):
+            return n
+        lo = floor = min(n, max(0, MIN_PREFILL_CHUNK - self.prefill))
+        if floor < n and not over(floor):
+            hi = n                                # over(lo) is False, over(hi) is True
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if not over(mid) else (lo, mid)
+        self.held.setdefault(self.classes[req.traffic_class].name, f"prefill cut to {lo} tokens by the ITL target")
+        return lo
+
+    def defer(self, req: Request) -> bool:
+        """A decode of a class without an ITL target waits if it would push the step's predicted time
+        past the target, unless its class has no decode in this step yet."""
+        c = req.traffic_class
+        if not self.decodes[c]:
+            return False
+        rows = list(self.rows.values())
+        rows.append((req.num_computed_tokens, 1, 1))
+        if self.cost(rows) <= self.target:
+            return False
+        self.held.setdefault(self.classes[c].name, "decodes deferred by the ITL target")
+        return True
+
+    def take(self, req: Request, start: int, n: int, admitted: bool = False) -> None:
+        c = req.traffic_class
+        self.tokens[c] += n
+        self.rows[req.request_id] = (start, n, 1 if start + n >= req.num_tokens else 0)
+        if n > 1 or start + n < req.num_tokens:
+            self.prefill += n
+        else:
+            self.decodes[c] += 1
+        if admitted:
+            self.running[c] += 1 + req.num_pending_forks
+
+    def untake(self, req: Request, n: int) -> None:
+        start, _, _ = self.rows.pop(req.request_id)
+        self.tokens[req.traffic_class] -= n
+        if n > 1 or start + n < req.num_tokens:
+            self.prefill -= n
+        else:
+            self.decodes[req.traffic_class] -= 1
+
+    def stop(self, req: Request, why: str) -> None:
+        self.held.setdefault(self.classes[req.traffic_class].name, why)
+        self.stopped = True

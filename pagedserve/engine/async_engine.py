@@ -72,6 +72,7 @@ class _Submit:
     arrival_time: float
     accepted: asyncio.Future
     stream: bool
+    traffic_class: str | None = None
 
     def resolve(self, error: BaseException | None) -> None:
         def set_result(f: asyncio.Future = self.accepted):
@@ -126,13 +127,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ called from asyncio
     async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                          stream: bool = True) -> RequestStream:
+                          stream: bool = True, traffic_class: str | None = None) -> RequestStream:
         """Submit a request; raises what engine.add_request raises (ParamError, QueueFullError) or
         EngineDeadError. Iterate the returned stream for its outputs: deltas after every step when
         `stream`, else one full output at the end."""
         loop = asyncio.get_running_loop()
         rs = RequestStream(self, request_id, loop)
-        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream)
+        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream, traffic_class)
         with self._lock:
             if self.dead is not None:
                 raise self.dead
@@ -212,7 +213,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 self.engine.add_request(item.out.request_id, item.prompt, item.params, priority=item.priority,
-                                        stream=item.stream, arrival_time=item.arrival_time)
+                                        stream=item.stream, arrival_time=item.arrival_time,
+                                        traffic_class=item.traffic_class)
             except Exception as e:      # reported to the caller; the engine changed nothing
                 item.resolve(e)
                 continue

@@ -16,6 +16,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import StepCostTable
 from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
+from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
@@ -28,6 +29,7 @@ from pagedserve.model.loader import load_model, read_model_config, read_pooling_
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
+from pagedserve.sim.cost_model import FittedCost, LiveCost
 from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
@@ -90,11 +92,14 @@ class LLMEngine:
         # a block id spans `planes` layers (all of them, unless groups of layers have tables of their own)
         self.kv_block_bytes = self.kv_cache_bytes_per_token // cfg.num_layers * layout.planes * args.block_size
         num_blocks = self._size_kv_pool(kv_dtype)
-        num_host = int(args.swap_space * GiB // self.kv_block_bytes) if args.preemption_mode == "swap" else 0
+        classes = TrafficClasses.parse(args.traffic_classes)
+        swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))
+        num_host = int(args.swap_space * GiB // self.kv_block_bytes) if swaps else 0
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
                                  windows=layout.windows)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
+        self.scheduler.classes = classes
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
@@ -104,6 +109,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.step_cost = None                 # the step-time model an ITL target sizes prefill with
+        if classes is not None:
+            self.step_cost = self.scheduler.step_cost = self._live_cost()
+            log.info("traffic classes: %s", "; ".join(
+                f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
+                                                             if getattr(c, k) is not None) + ")" for c in classes))
         spec = self.scheduler.spec = SpeculativeConfig.parse(args.speculative_config)
         if spec is not None and spec.adaptive:
             self.scheduler.spec_cost = cost = self._measure_step_costs(spec.num_speculative_tokens)
@@ -112,6 +123,19 @@ class LLMEngine:
         elif spec is not None:
             log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)", spec.method,
                      spec.num_speculative_tokens)
+
+    def _live_cost(self) -> LiveCost:
+        """The step-time model of `pagedserve simulate --calibrate`, refitted while serving on this
+        engine's own steps; seeded with this host's cached calibration when there is one."""
+        from pagedserve.sim.calibrate import cache_path, shape_of_engine
+        path, seed = cache_path(self.args), None
+        if os.path.exists(path):
+            seed = FittedCost.load(path)
+        cost = LiveCost(shape_of_engine(self), seed)
+        log.info("step-time model: %s", f"the calibration {path}, refitted as steps run" if seed else
+                 f"fitted on the first {LiveCost.MIN_SAMPLES} steps (no calibration cached for this host; "
+                 "`pagedserve simulate --calibrate` makes one), refitted as steps run")
+        return cost
 
     def _measure_step_costs(self, k: int) -> StepCostTable:
         """Step seconds by rows, on this host, for the drafting rule: one sequence of R tokens whose
@@ -197,7 +221,8 @@ class LLMEngine:
             raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, stream: bool = False, arrival_time: float | None = None) -> str:
+                    priority: int = 0, stream: bool = False, arrival_time: float | None = None,
+                    traffic_class: str | None = None) -> str:
         """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
         hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request)."""
         pooling = None
@@ -212,6 +237,11 @@ class LLMEngine:
                                                 "LLM.generate, not engine.add_request")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
+        classes = self.scheduler.classes
+        if traffic_class is not None and classes is None:
+            raise ParamError("traffic_class", f"traffic_class: {traffic_class!r} names a class, but the server "
+                                              "runs without --traffic-classes")
+        klass = classes.resolve(priority, traffic_class) if classes is not None else 0
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -221,6 +251,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids, priority=priority,
+                      traffic_class=klass,
                       num_samples=params.n, generator_seed=None if params.seed is None else params.seed % 2**64)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -309,7 +340,11 @@ class LLMEngine:
         for o in outs:
             if o.finished:
                 self.states.pop(o.request_id, None)
-        self._record_stats(so, ro, time.perf_counter() - t0)
+        step_s = time.perf_counter() - t0
+        self._record_stats(so, ro, step_s)
+        if self.step_cost is not None and so.seqs:
+            self.step_cost.observe([(s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0)
+                                    for s in so.seqs], step_s)
         return outs
 
     def _fail_step(self, so: SchedulerOutput, e: Exception) -> list[RequestOutput]:

@@ -147,6 +147,7 @@ class OutputProcessor:
                 finished or (st.stream and len(st.prompt_logprobs) == r0.num_prompt_tokens)):
             plp, st.prompt_logprobs_sent = st.prompt_logprobs, True
         m = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
-                           time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs))
+                           time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs),
+                           r0.traffic_class)
         return RequestOutput(st.request_id, st.prompt, r0.prompt_token_ids, outs, finished,
                              max(0, r0.num_cached_tokens), m, st.error, plp, st.embedding if finished else None)

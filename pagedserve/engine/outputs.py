@@ -29,6 +29,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    traffic_class: int = 0                  # rank of its traffic class (0 without --traffic-classes)
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,7 +13,7 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
-                                              usage_of)
+                                              traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -45,7 +45,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         raise RequestError(getattr(e, "param", "messages"), str(e)) from None
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream)
+    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
+                           klass=traffic_class(http, body))
     created = int(time.time())
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, top or 0, mode, len(ids)), streams)

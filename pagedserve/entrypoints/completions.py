@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
-                                              submit, usage_of)
+                                              submit, traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server import ServerState
 
@@ -40,7 +40,8 @@ async def completions(body: CompletionRequest, http: Request):
     prompts = await asyncio.to_thread(tokenize_prompts, st, body.prompt)
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream)
+    streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream,
+                           klass=traffic_class(http, body))
     created = int(time.time())
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, prompts, echo_only), streams)

@@ -70,7 +70,8 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                 owners.setdefault(b, []).append([len(reqs), lo, min(lo + bs, max(r.num_computed_tokens, lo))])
         table = list(tables[0])
         entry = {"id": r.request_id, "queue": "swapped" if r.status is RequestStatus.SWAPPED else where,
-                 "status": r.status.value, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
+                 "status": r.status.value, "priority": r.priority, "traffic_class": sch.class_name(r),
+                 "num_computed_tokens": r.num_computed_tokens,
                  "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
                  "num_output_tokens": r.num_output_tokens, "blocks": table,
                  "host_blocks": [h for hs in kv.swapped.get(r.request_id, ()) for h in hs if h is not None], "num_preemptions": r.num_preemptions,
@@ -111,7 +112,8 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
                    "prefix_hit_rate": round(c.prefix_hits / c.prefix_queries, 4) if c.prefix_queries else None,
                    "ttft_s": _dist(recorder.ttft_s), "itl_s": _dist(recorder.itl_s), "tpot_s": _dist(recorder.tpot_s),
                    "generation_tokens": c.generation_tokens, "prompt_tokens": c.prompt_tokens,
-                   "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(sch)},
+                   "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(sch),
+                   "traffic_classes": sch.class_summary()},
     }
 
 

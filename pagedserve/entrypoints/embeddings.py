@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pagedserve.entrypoints.completions import tokenize_prompts
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.protocol import EmbeddingRequest
-from pagedserve.entrypoints.responses import collect, state, submit
+from pagedserve.entrypoints.responses import collect, state, submit, traffic_class
 from pagedserve.errors import ParamError
 from pagedserve.sampling_params import PoolingParams
 
@@ -27,7 +27,7 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     rid = f"embd-{uuid.uuid4().hex}"
     try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
         streams = await submit(st, rid, prompts, PoolingParams(dimensions=body.dimensions), body.priority,
-                               stream=False)
+                               stream=False, klass=traffic_class(http, body))
     except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
         raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
     outs = await collect(http, streams)

@@ -65,6 +65,27 @@ class ServerMetrics:
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
                               "tokens by their position in the draft (0 = first)", labelnames=["position"])
+        # traffic classes: label values are the configured class names (bounded by --traffic-classes)
+        self.classes = engine.scheduler.classes
+        if self.classes is not None:
+            lab = ["traffic_class"]
+            self.class_running = Gauge(P + "class_num_requests_running", "Running requests per traffic class",
+                                       lab, registry=r)
+            self.class_waiting = Gauge(P + "class_num_requests_waiting", "Waiting requests per traffic class",
+                                       lab, registry=r)
+            self.class_ttft = Histogram(P + "class_time_to_first_token_seconds", "Time to first token per traffic "
+                                        "class", lab, buckets=_LAT, registry=r)
+            self.class_itl = Histogram(P + "class_inter_token_latency_seconds", "Time between two output tokens "
+                                       "per traffic class", lab, buckets=_LAT, registry=r)
+            self.class_success = Counter(P + "class_request_success", "Finished requests per traffic class", lab,
+                                         registry=r)
+            self.class_slo = Counter(P + "class_slo_met", "Requests of a class whose first token (slo=ttft) or every "
+                                     "inter-token gap (slo=itl) met its class's p99 target", lab + ["slo"],
+                                     registry=r)
+            for c in self.classes:
+                for m in (self.class_running, self.class_waiting, self.class_ttft, self.class_itl, self.class_success):
+                    m.labels(traffic_class=c.name)
+        self._worst_itl: dict[str, float] = {}   # per stream: its longest gap so far (ITL SLO), with classes
         self._last: dict = {}                    # the engine's running total each counter was last advanced to
         self._tok_seen: dict[str, tuple[int, float]] = {}
         self.blocks_total.set(engine.kv.pool.num_usable_blocks)
@@ -96,31 +117,61 @@ class ServerMetrics:
             self.step_decode.observe(s.num_decode_tokens)
         self.step_time.observe(s.step_s)
         now = time.monotonic()
+        classes = self.classes
+        if classes is not None:
+            self._class_gauges(engine.scheduler)
         for out in outputs:
             n = sum(len(o.token_ids) for o in out.outputs)
             prev = self._tok_seen.get(out.request_id)
             m = out.metrics
+            klass = classes[m.traffic_class] if classes is not None and m is not None else None
             if prev is None and n:
                 samples.ttft.append(m.first_token_time - m.arrival_time)
                 self.ttft.observe(samples.ttft[-1])
+                if klass is not None:
+                    self.class_ttft.labels(traffic_class=klass.name).observe(samples.ttft[-1])
                 if m.first_scheduled_time is not None:
                     self.queue.observe(m.first_scheduled_time - m.arrival_time)
             elif prev is not None and n > prev[0]:
                 samples.itl.append(now - prev[1])
                 self.itl.observe(samples.itl[-1])
+                if klass is not None:
+                    self.class_itl.labels(traffic_class=klass.name).observe(samples.itl[-1])
+                    self._worst_itl[out.request_id] = max(self._worst_itl.get(out.request_id, 0.0), samples.itl[-1])
             if n:
                 self._tok_seen[out.request_id] = (n, now)
             if out.finished:
                 self._tok_seen.pop(out.request_id, None)
+                worst = self._worst_itl.pop(out.request_id, 0.0)
+                if klass is not None:
+                    self._class_finish(klass, m, worst)
                 tpot = self.finish(out)
                 if tpot is not None:
                     samples.tpot.append(tpot)
         return samples
 
+    def _class_gauges(self, sch) -> None:
+        running, waiting = [0] * len(self.classes), [0] * len(self.classes)
+        for r in list(sch.running):
+            running[r.traffic_class] += 1
+        for _, r in list(sch.waiting):
+            waiting[r.traffic_class] += 1
+        for c, nr, nw in zip(self.classes, running, waiting):
+            self.class_running.labels(traffic_class=c.name).set(nr)
+            self.class_waiting.labels(traffic_class=c.name).set(nw)
+
+    def _class_finish(self, klass, m, worst_itl: float) -> None:
+        self.class_success.labels(traffic_class=klass.name).inc()
+        if klass.ttft_p99_ms is not None and m.first_token_time is not None and \
+                m.first_token_time - m.arrival_time <= klass.ttft_p99_ms / 1e3:
+            self.class_slo.labels(traffic_class=klass.name, slo="ttft").inc()
+        if klass.itl_p99_ms is not None and m.first_token_time is not None and worst_itl <= klass.itl_p99_ms / 1e3:
+            self.class_slo.labels(traffic_class=klass.name, slo="itl").inc()
+
     def held(self) -> dict[str, int]:
-        """Per-request entries (streams whose last token time is kept for the inter-token histogram);
-        metric labels are bounded by the finish reasons."""
-        return {"metrics.tok_seen": len(self._tok_seen)}
+        """Per-request entries (streams whose last token time is kept for the inter-token histogram, and
+        their longest gap with classes); metric labels are bounded by the finish reasons and the classes."""
+        return {"metrics.tok_seen": len(self._tok_seen), "metrics.worst_itl": len(self._worst_itl)}
 
     def finish(self, out) -> float | None:
         """Counts a finished request; its TPOT (mean seconds per output token after the first), if any."""
@@ -144,3 +195,5 @@ class ServerMetrics:
         self.kv_usage.set(engine.kv.usage())
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
+        if self.classes is not None:
+            self._class_gauges(engine.scheduler)

@@ -82,6 +82,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     repetition_penalty: float | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    traffic_class: str | None = Field(None, max_length=64)    # --traffic-classes (or X-Traffic-Class)
     # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -232,6 +233,7 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    traffic_class: str | None = Field(None, max_length=64)
     user: str | None = None               # accepted and ignored (IGNORED_FIELDS)
 
 

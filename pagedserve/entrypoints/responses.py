@@ -33,13 +33,22 @@ def check_n(st: ServerState, n: int) -> None:
         raise RequestError("n", f"n ({n}) exceeds max_num_seqs ({limit}): each sample is a running sequence")
 
 
+def traffic_class(http: Request, body) -> str | None:
+    """The traffic class a request names: its body's `traffic_class`, else the X-Traffic-Class header
+    (ignored when the server runs without classes: a proxy may set it for every backend)."""
+    if body.traffic_class is not None:
+        return body.traffic_class
+    named = http.headers.get("x-traffic-class")
+    return named if named and state(http).engine.scheduler.classes is not None else None
+
+
 async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,
-                 stream: bool) -> list[RequestStream]:
+                 stream: bool, klass: str | None = None) -> list[RequestStream]:
     """One engine request per prompt (ids rid, or rid-0, rid-1, ...), all handed to the engine at once
     so they join the same step; if one is refused, the others are aborted and its error goes to the
-    client."""
+    client. `klass`: the traffic class it names."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    got = await asyncio.gather(*(st.aengine.add_request(i, p, params, priority, stream=stream)
+    got = await asyncio.gather(*(st.aengine.add_request(i, p, params, priority, stream=stream, traffic_class=klass)
                                  for i, p in zip(ids, prompts)), return_exceptions=True)
     errors = [g for g in got if isinstance(g, BaseException)]
     if errors:

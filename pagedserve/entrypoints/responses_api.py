@@ -27,7 +27,7 @@ from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, NamedFunction,
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
                                              to_sampling_params)
-from pagedserve.entrypoints.responses import Usage, collect, deltas, sse, state, submit
+from pagedserve.entrypoints.responses import Usage, collect, deltas, sse, state, submit, traffic_class
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -209,7 +209,8 @@ async def create_response(body: ResponsesRequest, http: Request):
         raise RequestError("input", str(e)) from None
     await asyncio.to_thread(st.engine.precompile, params)
     rid = f"resp_{uuid.uuid4().hex}"
-    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream)
+    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
+                           klass=traffic_class(http, body))
     shell = _shell(st, body, rid, int(time.time()))
     if body.stream:
         return sse(_events(st, body, chat, mode, shell, convo, streams, len(ids)), streams, event_lines=True)

@@ -58,10 +58,13 @@ async def debug_scheduler(http: Request):
     sch, kv = eng.scheduler, eng.kv
     waiting = sorted(list(sch.waiting), key=lambda x: x[0])
     return {
-        "running": [{"request_id": r.request_id, "priority": r.priority, "num_computed_tokens": r.num_computed_tokens,
+        "running": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
+                     "num_computed_tokens": r.num_computed_tokens,
                      "num_tokens": r.num_tokens, "blocks": kv.num_live_blocks(r.request_id)} for r in list(sch.running)],
-        "waiting": [{"request_id": r.request_id, "priority": r.priority, "status": r.status.value,
-                     "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)} for _, r in waiting],
+        "waiting": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
+                     "status": r.status.value, "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)}
+                    for _, r in waiting],
+        "traffic_classes": sch.class_summary(),
         "kv": {"blocks_total": kv.pool.num_usable_blocks, "blocks_free": kv.num_free_blocks,
                "blocks_cached": kv.pool.num_cached_blocks(), "usage": kv.usage(), "block_size": kv.block_size},
         "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,

@@ -48,7 +48,8 @@ def render(s: dict, width: int = 100) -> Group:
             blocks.append("\n")
     table = Table("request", "queue", "prio", "tokens", "blocks", "age", "why waiting", box=None, pad_edge=False)
     for r in s["requests"][:30]:
-        table.add_row(Text(r["id"], style=_colour(r["id"])), r["queue"], str(r["priority"]),
+        prio = str(r["priority"]) if r.get("traffic_class") is None else f"{r['traffic_class']}/{r['priority']}"
+        table.add_row(Text(r["id"], style=_colour(r["id"])), r["queue"], prio,
                       f"{r['num_computed_tokens']}/{r['num_tokens']}",
                       f"{len(r['host_blocks'])} host" if r["queue"] == "swapped" else str(len(r["blocks"])),
                       f"{r['age_s']:.1f}s", r.get("reason", ""))
@@ -67,8 +68,13 @@ def render(s: dict, width: int = 100) -> Group:
                 f"last {ms[-1] if ms else 0:.1f} max {max(ms) if ms else 0:.1f} · TTFT p50 {fmt(lat[0]['p50'])} "
                 f"p99 {fmt(lat[0]['p99'])} · ITL p50 {fmt(lat[1]['p50'])} p99 {fmt(lat[1]['p99'])} · TPOT p50 "
                 f"{fmt(lat[2]['p50'])} p99 {fmt(lat[2]['p99'])}", style="dim")
-    return Group(head, Text("KV blocks (# owned, digit = shared refcount, c cached, . free)", style="dim"), blocks,
-                 table, line, foot)
+    parts = [head]
+    if h.get("traffic_classes"):
+        parts.append(Text("classes  " + " · ".join(
+            f"{c['name']} (prio {c['priority']}): {c['running']} running, {c['waiting']} waiting"
+            + (f", held by {c['held_by']}" if c["held_by"] else "") for c in h["traffic_classes"]), style="cyan"))
+    return Group(*parts, Text("KV blocks (# owned, digit = shared refcount, c cached, . free)", style="dim"),
+                 blocks, table, line, foot)
 
 
 def run_top(ns) -> int:

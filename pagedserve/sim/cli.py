@@ -31,7 +31,8 @@ def add_simulate_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", default="cpu", help=f"{', '.join(PROFILES)} or calibrated (this machine, measured)")
     g.add_argument("--calibrate", action="store_true", help="measure this machine now (else a cached fit is used)")
     g.add_argument("--calibrate-from", default=None, help="fit to a step trace of `pagedserve serve --step-trace`")
-    g.add_argument("--workload", default=None, help="JSONL of {prompt_token_ids | prompt_len, max_tokens[, arrival_s]}")
+    g.add_argument("--workload", default=None, help="JSONL of {prompt_token_ids | prompt_len, max_tokens[, arrival_s, "
+                                                    "priority, traffic_class]}")
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); none: all arrive at once")
     g.add_argument("--num-requests", type=int, default=200, help="for the synthetic workload")
     g.add_argument("--input-len", type=int, default=150, help="median prompt length of the synthetic (lognormal) mix")
@@ -49,7 +50,8 @@ def load_jsonl(path: str) -> list[SimRequest]:
             if line.strip():
                 d = json.loads(line)
                 ids = d.get("prompt_token_ids") or list(range(17, 17 + int(d["prompt_len"])))
-                out.append(SimRequest(float(d.get("arrival_s", 0.0)), tuple(ids), int(d["max_tokens"]), int(d.get("n", 1))))
+                out.append(SimRequest(float(d.get("arrival_s", 0.0)), tuple(ids), int(d["max_tokens"]), int(d.get("n", 1)),
+                                      int(d.get("priority", 0)), d.get("traffic_class")))
     return out
 
 
@@ -139,6 +141,11 @@ def _print(report: dict) -> None:
           f"{r['preemptions']} preemptions, peak KV usage {100 * r['kv_usage_max']:.0f}%")
     for m in ("ttft", "itl", "e2e"):
         print(f"  {m:5s} p50 {r[f'{m}_p50_ms']:9.1f} ms   p90 {r[f'{m}_p90_ms']:9.1f} ms   p99 {r[f'{m}_p99_ms']:9.1f} ms")
+    for name, c in r.get("classes", {}).items():
+        slo = "".join(f", {k.removesuffix('_slo_met')} SLO met by {100 * c[k]:.1f}%" for k in ("ttft_slo_met", "itl_slo_met")
+                      if k in c)
+        print(f"  class {name}: {c['requests']} requests, TTFT p50 {c['ttft_p50_ms']:.1f} p99 {c['ttft_p99_ms']:.1f} ms, "
+              f"ITL p50 {c['itl_p50_ms']:.1f} p99 {c['itl_p99_ms']:.1f} ms{slo}")
     if "slo" in report:
         s = report["slo"]
         print(f"highest rate meeting {s['terms']}: {s['max_rate']} req/s "

@@ -15,8 +15,10 @@ coefficients fitted to step times measured on this machine (`calibrate.py`); on 
 memory traffic do not overlap much, so there the parts add."""
 from __future__ import annotations
 
+import collections
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 
@@ -72,17 +74,23 @@ class StepFeatures:
 
 def step_features(shape: ModelShape, seqs) -> StepFeatures:
     """seqs: ScheduledSeq records of one step (start, num_tokens, sampling)."""
-    T = R = 0
+    return row_features(shape, ((s.start, s.num_tokens, s.sampling.num_samples if s.sampling is not None else 0)
+                                for s in seqs))
+
+
+def row_features(shape: ModelShape, rows: Iterable[tuple[int, int, int]]) -> StepFeatures:
+    """The same from plain (start, tokens, samples) tuples (what the scheduler has before a step exists)."""
+    T = R = S = 0
     attn = kvb = 0.0
     per_token_attn = 4 * shape.layers * shape.heads * shape.head_dim
-    for s in seqs:
-        q, ctx = s.num_tokens, s.start + s.num_tokens
+    for start, q, samples in rows:
         T += q
-        R += s.sampling.num_samples if s.sampling is not None else 0
-        attn += per_token_attn * q * (s.start + (q + 1) / 2)        # causal: query i sees start + i + 1 keys
-        kvb += shape.kv_bytes_per_token * ctx
+        R += samples
+        S += 1
+        attn += per_token_attn * q * (start + (q + 1) / 2)        # causal: query i sees start + i + 1 keys
+        kvb += shape.kv_bytes_per_token * (start + q)
     gemm = 2.0 * shape.matmul_params * T + 2.0 * shape.hidden * shape.vocab * R
-    return StepFeatures(T, R, len(seqs), gemm, attn, kvb)
+    return StepFeatures(T, R, S, gemm, attn, kvb)
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,3 +184,31 @@ def fit(samples: list[tuple[StepFeatures, float]], host: str = "") -> FittedCost
     errs = sorted(abs(model.step_time(f) - t) / t for f, t in samples if t > 0)
     model.rel_error_p50 = errs[len(errs) // 2] if errs else math.nan
     return model
+
+
+class LiveCost:
+    """The fitted model kept current while serving: each step's (features, seconds) goes into a window of
+    the last WINDOW steps (the bound on what it holds), fitted first after MIN_SAMPLES steps, again each
+    time the samples double, then every REFIT steps. Seeded with a cached calibration of this host when
+    there is one; before any fit it predicts 0 s (nothing is cut). Called with a step's rows, (start,
+    tokens, samples) each: predicted seconds."""
+
+    WINDOW = 2048
+    REFIT = 128
+    MIN_SAMPLES = 16
+
+    def __init__(self, shape: ModelShape, model: FittedCost | None = None):
+        self.shape, self.model = shape, model
+        self.samples: collections.deque[tuple[StepFeatures, float]] = collections.deque(maxlen=self.WINDOW)
+        self._since_fit = 0
+
+    def observe(self, rows: list[tuple[int, int, int]], seconds: float) -> None:
+        self.samples.append((row_features(self.shape, rows), seconds))
+        self._since_fit += 1
+        due = min(self.REFIT, max(self.MIN_SAMPLES, len(self.samples) // 2))
+        if len(self.samples) >= self.MIN_SAMPLES and self._since_fit >= due:
+            self.model = fit(list(self.samples), self.model.host if self.model is not None else "")
+            self._since_fit = 0
+
+    def __call__(self, rows: list[tuple[int, int, int]]) -> float:
+        return 0.0 if self.model is None else self.model.step_time(row_features(self.shape, rows))

@@ -12,9 +12,10 @@ from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.errors import ParamError
+from pagedserve.core.traffic import TrafficClasses
+from pagedserve.errors import ParamError, QueueFullError
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.sim.cost_model import ModelShape, step_features
+from pagedserve.sim.cost_model import ModelShape, row_features, step_features
 
 FILLER_TOKEN = 1000          # what every simulated sample "generates"; never a stop token
 
@@ -26,6 +27,7 @@ class SimRequest:
     output_len: int
     n: int = 1
     priority: int = 0
+    traffic_class: str | None = None
 
 
 def poisson_workload(rate: float, num_requests: int, seed: int = 0, input_len=(5.0, 1.0, 4, 1024),
@@ -50,10 +52,10 @@ def with_arrivals(reqs: list[SimRequest], rate: float | None, seed: int = 0) -> 
     """The same requests arriving as a Poisson process (rate None: all at time 0), drawn as
     bench/serving.py draws them (random.Random(seed).expovariate after each request)."""
     if rate is None:
-        return [SimRequest(0.0, r.prompt_token_ids, r.output_len, r.n, r.priority) for r in reqs]
+        return [SimRequest(0.0, r.prompt_token_ids, r.output_len, r.n, r.priority, r.traffic_class) for r in reqs]
     rng, t, out = random.Random(seed), 0.0, []
     for r in reqs:
-        out.append(SimRequest(t, r.prompt_token_ids, r.output_len, r.n, r.priority))
+        out.append(SimRequest(t, r.prompt_token_ids, r.output_len, r.n, r.priority, r.traffic_class))
         t += rng.expovariate(rate)
     return out
 
@@ -71,6 +73,9 @@ class SimResult:
     kv_usage: list[tuple[float, float]] = field(default_factory=list)     # (time s, fraction of blocks used)
     steps: int = 0
     rejected: int = 0
+    classes: TrafficClasses | None = None
+    # with traffic classes, per class: ttft_s, itl_s (every gap) and worst_itl_s (each request's longest gap)
+    by_class: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
@@ -88,6 +93,25 @@ class SimResult:
         for name in ("ttft_s", "itl_s", "e2e_s"):
             for q in (50, 90, 99):
                 out[f"{name[:-2]}_p{q}_ms"] = round(1000 * self.pct(name, q), 2)
+        if self.classes is not None:
+            out["classes"] = {c.name: self.class_summary(c) for c in self.classes}
+        return out
+
+    def class_summary(self, c) -> dict:
+        """One class's latency percentiles and SLO attainment (the share of its requests whose first
+        token, and whose longest inter-token gap, met its p99 targets)."""
+        d = self.by_class.get(c.name, {})
+        ttft, itl, worst = (sorted(d.get(k, [])) for k in ("ttft_s", "itl_s", "worst_itl_s"))
+        pick = lambda xs, q: round(1000 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))], 2) \
+            if xs else math.nan                                                       # noqa: E731
+        out = {"requests": len(ttft), "output_tokens": len(itl) + len(ttft)}
+        for name, xs in (("ttft", ttft), ("itl", itl)):
+            for q in (50, 99):
+                out[f"{name}_p{q}_ms"] = pick(xs, q)
+        if c.ttft_p99_ms is not None and ttft:
+            out["ttft_slo_met"] = round(sum(x * 1e3 <= c.ttft_p99_ms for x in ttft) / len(ttft), 4)
+        if c.itl_p99_ms is not None and worst:
+            out["itl_slo_met"] = round(sum(x * 1e3 <= c.itl_p99_ms for x in worst) / len(worst), 4)
         return out
 
 
@@ -95,21 +119,31 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
              max_model_len: int = 8192) -> SimResult:
     """Run the workload through the real scheduler; `cost.step_time(features)` advances the clock."""
     clock = [0.0]
+    classes = TrafficClasses.parse(args.traffic_classes)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                        _host_blocks(args, shape), max_model_len if args.kv_allocation == "contiguous" else None)
+                        _host_blocks(args, shape, classes), max_model_len if args.kv_allocation == "contiguous" else None)
     sch = Scheduler(SchedulerConfig.from_args(args, max_model_len), kv, clock=lambda: clock[0])
+    sch.classes = classes
+    if classes is not None:          # the scheduler predicts steps with the model that times them
+        sch.step_cost = lambda rows: cost.step_time(row_features(shape, rows))
+    klass: dict[str, str] = {}       # request id -> its class's name
+    worst: dict[str, float] = {}     # request id -> its longest inter-token gap so far
     pending = sorted(enumerate(reqs), key=lambda x: (x[1].arrival_s, x[0]), reverse=True)
     arrival, last_token = {}, {}
-    res = SimResult(len(reqs), 0.0, 0, sum(len(r.prompt_token_ids) for r in reqs), 0)
+    res = SimResult(len(reqs), 0.0, 0, sum(len(r.prompt_token_ids) for r in reqs), 0, classes=classes)
     while pending or sch.has_unfinished():
         while pending and pending[-1][1].arrival_s <= clock[0]:
             i, r = pending.pop()
             sp = SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True)
             rid = str(i)
+            req = Request(rid, list(r.prompt_token_ids), sp, r.output_len, priority=r.priority,
+                          arrival_time=r.arrival_s, num_samples=r.n)
             try:
-                sch.add_request(Request(rid, list(r.prompt_token_ids), sp, r.output_len, priority=r.priority,
-                                        arrival_time=r.arrival_s, num_samples=r.n))
-            except ParamError:           # could never run here (longer than the context or the pool)
+                if classes is not None:
+                    req.traffic_class = classes.resolve(r.priority, r.traffic_class)
+                    klass[rid] = classes[req.traffic_class].name
+                sch.add_request(req)
+            except (ParamError, QueueFullError):    # could never run here, or its queue is full
                 res.rejected += 1
                 continue
             arrival[rid] = r.arrival_s
@@ -125,20 +159,29 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
             rid, now = u.request.request_id, clock[0]
             res.output_tokens += 1
             owner = u.request.parent_id or rid
+            per = res.by_class.setdefault(klass[owner], {"ttft_s": [], "itl_s": [], "worst_itl_s": []}) \
+                if classes is not None else None
             if rid in last_token:
                 res.itl_s.append(now - last_token[rid])
+                if per is not None:
+                    per["itl_s"].append(res.itl_s[-1])
+                    worst[rid] = max(worst.get(rid, 0.0), res.itl_s[-1])
             elif not u.forked:
                 res.ttft_s.append(now - arrival[owner])
+                if per is not None:
+                    per["ttft_s"].append(res.ttft_s[-1])
             last_token[rid] = now
             if u.finished:
                 res.e2e_s.append(now - arrival[owner])
+                if per is not None and rid == owner:
+                    per["worst_itl_s"].append(worst.pop(rid, 0.0))
         res.kv_usage.append((clock[0], kv.usage()))
     res.duration_s = clock[0] - (min(r.arrival_s for r in reqs) if reqs else 0.0)
     return res
 
 
-def _host_blocks(args: EngineArgs, shape: ModelShape) -> int:
-    if args.preemption_mode != "swap":
+def _host_blocks(args: EngineArgs, shape: ModelShape, classes: TrafficClasses | None = None) -> int:
+    if args.preemption_mode != "swap" and not any(c.preemption_mode == "swap" for c in (classes or ())):
         return 0
     return int(args.swap_space * 2**30 // (shape.kv_bytes_per_token * args.block_size))
 

@@ -19,12 +19,24 @@ from pagedserve.config import SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.errors import ParamError
+from pagedserve.core.traffic import TrafficClasses
+from pagedserve.errors import ParamError, QueueFullError
 from pagedserve.sampling_params import SamplingParams
 
 EOS, STOP = 2, 3
 PREFIXES = [[], list(range(10, 22)), list(range(30, 39))]     # shared prefixes, so the prefix cache hits
 RULES = collections.Counter()
+# traffic classes: none, two bands with limits, three with a swap class, a budget share and an ITL target
+CLASSES = [None,
+           [{"name": "hi", "priority": 0, "max_running": 2}, {"name": "lo", "priority": 1, "max_budget_share": 0.5}],
+           [{"name": "a", "priority": -1, "itl_p99_ms": 10, "preemption_mode": "swap"},
+            {"name": "b", "priority": 0, "max_waiting": 3, "max_budget_share": 0.6},
+            {"name": "c", "priority": 1, "preemption_mode": "recompute", "max_budget_share": 0.4}]]
+
+
+def fake_cost(rows):
+    """A step-time model for the ITL target: 1 ms a row plus 0.5 ms a token."""
+    return 1e-3 * len(rows) + 5e-4 * sum(n for _, n, _ in rows)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -32,8 +44,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.integers(1, 8),
                 budget=st.integers(4, 64), chunk=st.integers(1, 32), caching=st.booleans(),
                 host_blocks=st.integers(0, 48), spec=st.integers(0, 5),
-                windows=st.sampled_from([(0,), (0,), (0,), (7,), (0, 6, 6), (0, 9)]))
-    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks, spec, windows):
+                windows=st.sampled_from([(0,), (0,), (0,), (7,), (0, 6, 6), (0, 9)]),
+                classes=st.sampled_from(range(len(CLASSES))))
+    def setup(self, num_blocks, block_size, mode, max_num_seqs, budget, chunk, caching, host_blocks, spec, windows,
+              classes):
         # windows: the groups of layers (KVLayout): one full group (Llama), every layer sliding
         # (Mistral), or full and sliding groups sharing the pool (Gemma)
         self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0,
@@ -41,6 +55,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                              max_model_len=96, long_prefill_token_threshold=chunk,
                                              preemption_mode=mode), self.kv)
+        self.sch.classes = TrafficClasses.parse(CLASSES[classes])
+        if classes == 2:
+            self.sch.step_cost = fake_cost
         if spec:                     # drafts whenever an n-gram matches (no cost table: adaptive off)
             self.sch.spec = SpeculativeConfig(num_speculative_tokens=spec, adaptive=False)
         self.users: dict[str, list[Request]] = {}     # user request -> its sequences
@@ -60,10 +77,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[STOP] if stop_token else [])
         req = Request(rid, prompt, params, max_tokens, eos_token_ids=() if ignore_eos else (EOS,),
                       priority=priority, num_samples=n)
+        if self.sch.classes is not None:
+            req.traffic_class = self.sch.classes.resolve(priority)
         before = (self.kv.num_free_blocks, len(self.sch.waiting))
         try:
             self.sch.add_request(req)
-        except ParamError:
+        except (ParamError, QueueFullError):
             assert (self.kv.num_free_blocks, len(self.sch.waiting)) == before     # rejected: nothing changed
             return
         self.users[rid] = [req]
@@ -79,6 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             evictions = self.kv.pool.num_evictions
             so = self.sch.schedule()
             assert so.num_tokens <= self.sch.cfg.max_num_batched_tokens
+            self._check_class_limits(so)
             RULES["preempted"] += len(so.preempted)
             RULES["swapped_out"] += len(so.block_ops.swap_out)
             RULES["copy_on_write"] += len(so.block_ops.copy)
@@ -98,6 +118,45 @@ class SchedulerMachine(RuleBasedStateMachine):
             for rid in [r for r, seqs in self.users.items() if all(q.status.finished for q in seqs)
                         and len(seqs) == seqs[0].num_samples]:
                 del self.users[rid]
+
+    def _drain(self):
+        """Nothing starves: stepping on, every request left finishes (whatever its class or priority)."""
+        rng = random.Random(0)
+        for _ in range(3000):
+            if not self.sch.has_unfinished():
+                RULES["drained"] += 1
+                return
+            so = self.sch.schedule()
+            self._check_class_limits(so)
+            sampled = {s.request_id: [rng.randrange(60) for _ in range(s.sampling.num_samples)]
+                       for s in so.seqs if s.sampling is not None}
+            for s in so.seqs:
+                if s.num_draft:
+                    sampled[s.request_id] = [rng.randrange(60)]
+            for u in self.sch.update_from_output(so, sampled):
+                if u.forked:
+                    self.users[u.request.parent_id].append(u.request)
+        left = [(r.request_id, r.status, r.traffic_class) for r in self.sch.requests.values()]
+        raise AssertionError(f"requests left after 3000 steps: {left}")
+
+    def _check_class_limits(self, so):
+        """Each class within its share of the step's budget (drafts come from what is left over) and
+        its max_running."""
+        classes = self.sch.classes
+        if classes is None:
+            return
+        tokens = collections.Counter()
+        for s in so.seqs:
+            tokens[self.sch.requests[s.request_id].traffic_class] += s.num_tokens - s.num_draft
+        running = collections.Counter()
+        for r in self.sch.running:
+            running[r.traffic_class] += 1 + r.num_pending_forks
+        for i, c in enumerate(classes):
+            if c.max_budget_share is not None:
+                assert tokens[i] <= max(1, int(c.max_budget_share * self.sch.cfg.max_num_batched_tokens)), (c, tokens)
+            if c.max_running is not None:
+                assert running[i] <= c.max_running, (c, running)
+        RULES["class_steps"] += 1
 
     @precondition(lambda self: self.users)
     @rule(pick=st.integers(0, 10**6))
@@ -185,6 +244,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sch"):
             return
+        self._drain()
         for rid in list(self.users):
             for q in self.users.pop(rid):
                 self.sch.abort(q.request_id)
@@ -204,4 +264,4 @@ def test_scheduler_state_machine():
     assert total >= 3000 and RULES["step"] >= 1000
     # the program reached every mechanism it is meant to check
     assert all(RULES[k] > 0 for k in ("preempted", "swapped_out", "copy_on_write", "evicted", "forked", "drafted",
-                                      "rejected", "window_freed"))
+                                      "rejected", "window_freed", "class_steps", "drained"))

@@ -258,3 +258,15 @@ def test_streamed_logprobs_cover_every_token(client):
     assert len(toks) == full.usage.completion_tokens == 24
     assert toks == full.choices[0].logprobs.tokens
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
+def test_without_traffic_classes_a_named_class_is_a_400_and_the_header_is_ignored(server):
+    base = server[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "traffic_class": "batch"},
+                   headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "traffic_class"
+    assert "--traffic-classes" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                   headers={**auth, "X-Traffic-Class": "batch"}, timeout=30)
+    assert r.status_code == 200

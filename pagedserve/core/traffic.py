@@ -1,0 +1,147 @@
+"""Traffic classes (--traffic-classes): named bands of priority, each with its own latency targets,
+admission limits and preemption mode. Plain Python: parsed once at start-up, read by the scheduler.
+
+A request belongs to exactly one class: the one it names (`traffic_class` in the body or the
+`X-Traffic-Class` header), else the band its `priority` falls in (the class with the highest
+priority value not above the request's; below every class: the first). Classes are kept sorted by
+priority, so a class's index is its rank: 0 is served first. Without the flag there is one implicit
+class and the scheduler behaves exactly as before."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from pagedserve.errors import ParamError
+
+CLASS_KEYS = ("name", "priority", "ttft_p99_ms", "itl_p99_ms", "max_running", "max_budget_share", "max_waiting",
+              "preemption_mode")
+PREEMPTION_MODES = ("recompute", "swap")
+# the step the ITL sizing aims at: this fraction of the tightest target, for the time outside the step
+# (detokenization, the HTTP thread) and the model's own error
+ITL_HEADROOM = 0.8
+# a TTFT target bounds every step to this share of it (an arrival waits for the step in flight, then
+# needs a step of its own), whether or not its class has requests running
+TTFT_STEP_SHARE = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class TrafficClass:
+    name: str
+    priority: int
+    ttft_p99_ms: float | None = None     # bounds every step to TTFT_STEP_SHARE of it; SLO attainment reported
+    itl_p99_ms: float | None = None      # bounds each step while this class has running decodes
+    max_running: int | None = None       # sequences of this class running at once
+    max_budget_share: float | None = None   # of max_num_batched_tokens, per step
+    max_waiting: int | None = None       # beyond it this class's new requests get 429
+    preemption_mode: str | None = None   # when this class is preempted; None: the engine's --preemption-mode
+
+
+class TrafficClasses:
+    """The parsed, validated list; `resolve` maps a request's fields to a class index."""
+
+    def __init__(self, classes: list[TrafficClass]):
+        self.classes = tuple(sorted(classes, key=lambda c: c.priority))
+        self.by_name = {c.name: i for i, c in enumerate(self.classes)}
+
+    def __len__(self) -> int:
+        return len(self.classes)
+
+    def __getitem__(self, i: int) -> TrafficClass:
+        return self.classes[i]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    @property
+    def itl_target_s(self) -> float | None:
+        """The tightest ITL target of any class (seconds), or None."""
+        ts = [c.itl_p99_ms for c in self.classes if c.itl_p99_ms is not None]
+        return min(ts) / 1e3 if ts else None
+
+    def resolve(self, priority: int = 0, name: str | None = None) -> int:
+        """The class index of a request; ParamError names `traffic_class` for an unknown name."""
+        if name is not None:
+            if name not in self.by_name:
+                raise ParamError("traffic_class", f"traffic_class: unknown class {name!r} (the classes: "
+                                                  f"{', '.join(self.names)})")
+            return self.by_name[name]
+        i = 0
+        for j, c in enumerate(self.classes):
+            if c.priority <= priority:
+                i = j
+        return i
+
+    def describe(self) -> list[dict]:
+        return [{k: getattr(c, k) for k in CLASS_KEYS} for c in self.classes]
+
+    @classmethod
+    def parse(cls, value) -> TrafficClasses | None:
+        """A list of objects, its JSON text, or a path to a JSON file; None stays None. ValueError
+        names the class and key at fault."""
+        if value is None or isinstance(value, TrafficClasses):
+            return value
+        if isinstance(value, str):
+            text = value
+            if not value.lstrip().startswith("[") and os.path.isfile(value):
+                with open(value) as f:
+                    text = f.read()
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"traffic_classes must be a JSON list of class objects or a path to a JSON file "
+                                 f"holding one, got {value!r} ({e})") from None
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"traffic_classes must be a non-empty JSON list of class objects, got {value!r}")
+        out, names, prios = [], set(), set()
+        for i, c in enumerate(value):
+            where = f"traffic_classes[{i}]"
+            if not isinstance(c, dict):
+                raise ValueError(f"{where} must be an object with name and priority, got {c!r}")
+            unknown = sorted(set(c) - set(CLASS_KEYS))
+            if unknown:
+                raise ValueError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(CLASS_KEYS)})")
+            for key in ("name", "priority"):
+                if key not in c:
+                    raise ValueError(f"{where}.{key} is required")
+            name = c["name"]
+            if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
+                raise ValueError(f"{where}.name must be a non-empty printable string of at most 64 characters, "
+                                 f"got {name!r}")
+            where = f"traffic_classes[{i}] ({name})"
+            if name in names:
+                raise ValueError(f"{where}.name: {name!r} is named twice")
+            prio = c["priority"]
+            if not isinstance(prio, int) or isinstance(prio, bool):
+                raise ValueError(f"{where}.priority must be an integer, got {prio!r}")
+            if prio in prios:
+                raise ValueError(f"{where}.priority: {prio} is another class's priority (each class is a band)")
+            names.add(name)
+            prios.add(prio)
+            kw = {}
+            for key in ("ttft_p99_ms", "itl_p99_ms"):
+                v = c.get(key)
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                    raise ValueError(f"{where}.{key} must be a positive number of milliseconds, got {v!r}")
+                kw[key] = None if v is None else float(v)
+            for key in ("max_running", "max_waiting"):
+                v = c.get(key)
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                      or (key == "max_running" and v < 1)):
+                    raise ValueError(f"{where}.{key} must be a {'positive' if key == 'max_running' else 'non-negative'}"
+                                     f" integer, got {v!r}")
+                kw[key] = v
+            share = c.get("max_budget_share")
+            if share is not None and (not isinstance(share, (int, float)) or isinstance(share, bool)
+                                      or not 0 < share <= 1):
+                raise ValueError(f"{where}.max_budget_share must be a number in (0, 1], got {share!r}")
+            kw["max_budget_share"] = None if share is None else float(share)
+            mode = c.get("preemption_mode")
+            if mode is not None and mode not in PREEMPTION_MODES:
+                raise ValueError(f"{where}.preemption_mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+            out.append(TrafficClass(name, prio, preemption_mode=mode, **kw))
+        total = sum(c.max_budget_share or 0.0 for c in out)
+        if total > 1 + 1e-9:
+            raise ValueError(f"traffic_classes: the max_budget_share values sum to {total:g}, over 1")
+        return cls(out)

@@ -1,0 +1,223 @@
+"""Traffic classes (--traffic-classes): the config's refusals, how a request finds its class, and the
+scheduler's class rules (preemption of lower classes, the minimum share, max_running, budget shares,
+per-class queues, the prefill cut under an ITL target). No model: the scheduler and a fake runner."""
+import json
+
+import pytest
+
+from pagedserve.config import EngineArgs
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import MIN_PREFILL_CHUNK, QueueFullError, Scheduler, SchedulerConfig
+from pagedserve.core.traffic import ITL_HEADROOM, TrafficClasses
+from pagedserve.errors import ParamError
+from pagedserve.sampling_params import SamplingParams
+
+TWO = [{"name": "interactive", "priority": 0, "ttft_p99_ms": 1000, "itl_p99_ms": 150},
+       {"name": "batch", "priority": 10}]
+
+
+def mk(rid, n, klass, max_tokens=8, samples=1):
+    r = Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, n=samples),
+                max_tokens=max_tokens, num_samples=samples)
+    r.traffic_class = klass
+    return r
+
+
+def sched(classes, num_blocks=64, bs=4, **kw):
+    s = Scheduler(SchedulerConfig(**kw), KVCacheManager(num_blocks, bs, False, 32))   # 32 host blocks (swap)
+    s.classes = TrafficClasses.parse(classes)
+    return s
+
+
+def step(s):
+    so = s.schedule()
+    s_out = {q.request_id: [5] * q.sampling.num_samples for q in so.seqs if q.sampling is not None}
+    list(s.update_from_output(so, s_out))
+    return so
+
+
+# ------------------------------------------------------------------ the config
+@pytest.mark.parametrize("value, named", [
+    ('[{"name": "a"}]', "traffic_classes[0].priority is required"),
+    ('[{"priority": 1}]', "traffic_classes[0].name is required"),
+    ('[{"name": "a", "priority": 0, "latency": 5}]', "traffic_classes[0].latency: unknown key"),
+    ('[{"name": "a", "priority": 0, "max_running": -1}]', "traffic_classes[0] (a).max_running"),
+    ('[{"name": "a", "priority": 0, "max_waiting": -2}]', "traffic_classes[0] (a).max_waiting"),
+    ('[{"name": "a", "priority": 0, "itl_p99_ms": 0}]', "traffic_classes[0] (a).itl_p99_ms"),
+    ('[{"name": "a", "priority": 0, "max_budget_share": 1.5}]', "traffic_classes[0] (a).max_budget_share"),
+    ('[{"name": "a", "priority": 0, "max_budget_share": 0.7}, {"name": "b", "priority": 1, "max_budget_share": 0.4}]',
+     "sum to 1.1, over 1"),
+    ('[{"name": "a", "priority": 0, "preemption_mode": "drop"}]', "traffic_classes[0] (a).preemption_mode"),
+    ('[{"name": "a", "priority": 0}, {"name": "a", "priority": 1}]', "'a' is named twice"),
+    ('[{"name": "a", "priority": 0}, {"name": "b", "priority": 0}]', "another class's priority"),
+    ('[{"name": "a", "priority": "high"}]', "priority must be an integer"),
+    ("[]", "non-empty JSON list"),
+    ("{not json", "must be a JSON list"),
+])
+def test_a_bad_class_list_is_refused_at_start_naming_the_key(value, named):
+    with pytest.raises(ValueError) as e:
+        EngineArgs(traffic_classes=value)
+    assert named in str(e.value)
+
+
+def test_classes_come_from_a_file_or_json_and_are_ranked_by_priority(tmp_path):
+    path = tmp_path / "classes.json"
+    path.write_text(json.dumps(list(reversed(TWO))))
+    tc = TrafficClasses.parse(str(path))
+    assert tc.names == ("interactive", "batch") and tc.itl_target_s == 0.15
+    assert TrafficClasses.parse(json.dumps(TWO)).describe() == tc.describe()
+    # priority bands: the class with the highest priority value not above the request's
+    assert [tc.resolve(p) for p in (-5, 0, 3, 9, 10, 99)] == [0, 0, 0, 0, 1, 1]
+    assert tc.resolve(0, "batch") == 1                  # a named class wins over the priority
+    with pytest.raises(ParamError) as e:
+        tc.resolve(0, "bulk")
+    assert e.value.param == "traffic_class" and "'bulk'" in str(e.value) and "interactive, batch" in str(e.value)
+    with pytest.raises(ValueError, match="traffic_classes"):
+        EngineArgs(traffic_classes=TWO, scheduling_policy="static")
+
+
+# ------------------------------------------------------------------ scheduling
+def test_a_higher_class_takes_a_slot_from_a_lower_one_and_the_victim_keeps_its_place():
+    s = sched(TWO, max_num_seqs=3)
+    for i in range(3):
+        s.add_request(mk(f"b{i}", 4, 1))
+    step(s)
+    assert [r.request_id for r in s.running] == ["b0", "b1", "b2"]
+    s.add_request(mk("i0", 4, 0))
+    so = step(s)
+    assert so.preempted == ("b2",)                      # lowest class, most recently admitted
+    assert [r.request_id for r in s.running][:1] == ["i0"] and "b2" not in {r.request_id for r in s.running}
+    s.add_request(mk("b3", 4, 1))                        # arrives after b2 was preempted
+    assert [r.request_id for _, r in sorted(s.waiting, key=lambda e: e[0])] == ["b2", "b3"]
+    assert s.waiting_reason(s.requests["b2"]).startswith("traffic class batch") or \
+        s.waiting_reason(s.requests["b2"]) == "max_num_seqs reached"
+
+
+def test_class_preemption_never_takes_a_class_s_last_running_sequence():
+    """The minimum share: a lower class keeps one running sequence, so it never starves."""
+    s = sched(TWO, max_num_seqs=2)
+    s.add_request(mk("b0", 4, 1, max_tokens=50))
+    s.add_request(mk("b1", 4, 1, max_tokens=50))
+    step(s)
+    for i in range(3):
+        s.add_request(mk(f"i{i}", 4, 0, max_tokens=50))
+    so = step(s)
+    assert so.preempted == ("b1",)
+    running = [r.request_id for r in s.running]
+    assert "b0" in running and running.count("b0") == 1 and len(running) == 2
+    for _ in range(5):
+        assert "b0" in {q.request_id for q in step(s).seqs}   # b0 decodes every step
+
+
+def test_a_class_with_waiting_work_and_nothing_running_is_admitted_first():
+    s = sched(TWO, max_num_seqs=2)
+    s.add_request(mk("b0", 4, 1))
+    for i in range(4):
+        s.add_request(mk(f"i{i}", 4, 0, max_tokens=50))
+    so = s.schedule()
+    assert {q.request_id for q in so.seqs} == {"b0", "i0"}
+
+
+def test_a_higher_class_preempts_for_blocks_in_the_victim_s_class_mode():
+    classes = [{"name": "hi", "priority": 0}, {"name": "lo", "priority": 1, "preemption_mode": "swap"}]
+    s = sched(classes, num_blocks=9, bs=4)              # 8 usable blocks
+    s.add_request(mk("lo0", 12, 1, max_tokens=20))      # 4 blocks each at first
+    s.add_request(mk("lo1", 12, 1, max_tokens=20))
+    step(s)
+    s.add_request(mk("hi0", 12, 0))
+    so = step(s)
+    assert so.preempted == ("lo1",) and s.requests["lo1"].status is RequestStatus.SWAPPED
+    assert so.block_ops.swap_out and "hi0" in {q.request_id for q in so.seqs}
+    assert s.requests["lo1"].num_computed_tokens > 0    # swapped: its progress is kept
+
+
+def test_max_running_holds_a_class_and_lets_the_others_run():
+    classes = [{"name": "hi", "priority": 0, "max_running": 1}, {"name": "lo", "priority": 1}]
+    s = sched(classes)
+    s.add_request(mk("hi0", 4, 0))
+    s.add_request(mk("hi1", 4, 0))
+    s.add_request(mk("lo0", 4, 1))
+    so = s.schedule()
+    assert {q.request_id for q in so.seqs} == {"hi0", "lo0"}
+    assert s.waiting_reason(s.requests["hi1"]) == "traffic class hi: max_running (1)"
+    with pytest.raises(ParamError) as e:               # could never run in its class
+        s.add_request(mk("hi2", 4, 0, samples=2))
+    assert e.value.param == "n" and "max_running (1)" in str(e.value)
+
+
+def test_a_budget_share_caps_a_class_s_tokens_per_step():
+    classes = [{"name": "hi", "priority": 0}, {"name": "lo", "priority": 1, "max_budget_share": 0.25}]
+    s = sched(classes, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    s.add_request(mk("lo0", 60, 1))
+    s.add_request(mk("hi0", 40, 0))
+    so = s.schedule()
+    got = {q.request_id: q.num_tokens for q in so.seqs}
+    assert got == {"hi0": 40, "lo0": 16}                 # 0.25 x 64
+    assert s.last_limits == {}                           # nothing held: lo0 ran (its chunk was cut)
+
+
+def test_a_class_s_waiting_queue_is_bounded():
+    classes = [{"name": "hi", "priority": 0, "max_waiting": 1}, {"name": "lo", "priority": 1}]
+    s = sched(classes)
+    s.add_request(mk("hi0", 4, 0))
+    with pytest.raises(QueueFullError, match="traffic class 'hi'"):
+        s.add_request(mk("hi1", 4, 0))
+    s.add_request(mk("lo0", 4, 1))                       # the other class still queues
+
+
+def test_an_itl_target_cuts_lower_class_prefill_to_the_predicted_step_time():
+    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
+    s.step_cost = lambda rows: 0.010 + 0.0005 * sum(n for _, n, _ in rows)      # 10 ms + 0.5 ms a token
+    s.add_request(mk("i0", 8, 0, max_tokens=100))
+    step(s)                                              # i0 prefilled; it decodes from now on
+    s.add_request(mk("b0", 400, 1))
+    so = s.schedule()
+    got = {q.request_id: q.num_tokens for q in so.seqs}
+    target = 0.150 * ITL_HEADROOM
+    # the largest chunk that keeps 10 ms + 0.5 ms x (1 + chunk) under the target
+    assert got == {"i0": 1, "b0": int((target - 0.010) / 0.0005) - 1}
+    assert s.step_cost([(8, 1, 1), (0, got["b0"], 0)]) <= target
+    assert "prefill cut" in s.last_limits["batch"]
+    # decodes so slow that no prefill fits: a step still takes MIN_PREFILL_CHUNK tokens of it
+    s.step_cost = lambda rows: 1.0
+    list(s.update_from_output(so, {"i0": [5]}))
+    assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"i0": 1, "b0": MIN_PREFILL_CHUNK}
+
+
+def test_without_an_itl_class_decoding_prefill_is_cut_only_by_a_ttft_target():
+    """An ITL target acts while its class decodes; a TTFT target bounds every step to half of it (an
+    arrival waits for the step in flight, then takes its own)."""
+    itl_only = [{"name": "interactive", "priority": 0, "itl_p99_ms": 150}, {"name": "batch", "priority": 10}]
+    s = sched(itl_only, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
+    s.step_cost = lambda rows: 1.0
+    s.add_request(mk("b0", 400, 1))
+    assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b0": 400}
+    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
+    s.step_cost = lambda rows: 0.0005 * sum(n for _, n, _ in rows)       # 0.5 ms a token
+    s.add_request(mk("b0", 400, 1))                     # nothing interactive runs: 0.8 x 1000 ms / 2 bounds it,
+    assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b0": 400}     # and 200 ms fits
+    s = sched(TWO, max_num_batched_tokens=2048, long_prefill_token_threshold=2048, num_blocks=1024)
+    s.step_cost = lambda rows: 0.0005 * sum(n for _, n, _ in rows)
+    s.add_request(mk("b1", 2000, 1))
+    assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b1": 800}   # 0.4 s at 0.5 ms a token
+
+
+def test_under_an_itl_target_lower_class_decodes_take_turns():
+    """Decodes of a class without a target that would push the step past the target wait for a later
+    step, longest-waiting first: every batch sequence still decodes, in turn."""
+    s = sched(TWO, num_blocks=256)
+    for i in range(10):
+        s.add_request(mk(f"b{i}", 4, 1, max_tokens=50))
+    step(s)                                              # every batch request prefilled; all decode from now
+    s.step_cost = lambda rows: 0.020 * len(rows)         # 20 ms a row: 6 rows fit under 0.8 x 150 ms
+    s.add_request(mk("i0", 4, 0, max_tokens=50))
+    step(s)                                              # i0 prefilled (the cap needs a decoding i0)
+    seen = []
+    for _ in range(4):
+        so = step(s)
+        ids = [q.request_id for q in so.seqs]
+        assert "i0" in ids and len(ids) == 6, ids
+        seen.append(set(ids) - {"i0"})
+        assert s.last_limits == {"batch": "decodes deferred by the ITL target"}
+    assert set().union(*seen[:2]) == {f"b{i}" for i in range(10)}   # two steps: each batch sequence once
