@@ -24,13 +24,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from server_proc import serve  # noqa: E402
-
-
-def pct(xs, p):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+from serving import one, pct  # noqa: E402
 
 
 def prompt(rng, n):
@@ -47,23 +41,10 @@ def computed_tokens(base) -> float:
 
 
 async def interactive(client, base, ids, max_tokens, out):
-    t0 = time.perf_counter()
-    ttft, last, itl = None, None, []
-    body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0}
-    async with client.stream("POST", base + "/v1/completions", json=body,
-                             headers={"X-Traffic-Class": "interactive"}) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            now = time.perf_counter()
-            if obj.get("choices") and obj["choices"][0]["text"]:
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    itl.append(now - last)
-                last = now
-    out.append({"ttft": ttft, "itl": itl, "tokens": len(ids) + len(itl) + (ttft is not None)})
+    """One interactive request, streamed (serving.one: TTFT, gaps, completion tokens); `client` sends
+    X-Traffic-Class: interactive."""
+    r = await one(client, base, {"prompt_token_ids": ids, "max_tokens": max_tokens}, max_tokens)
+    out.append({**r, "tokens": len(ids) + r["tokens"]})
 
 
 async def batch_worker(client, base, rng, a, tokens, stop):
@@ -92,7 +73,8 @@ async def batch_worker(client, base, rng, a, tokens, stop):
 async def run(base, a, with_batch, seed):
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=a.batch_concurrency + 64)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client, \
+            httpx.AsyncClient(timeout=900, headers={"X-Traffic-Class": "interactive"}) as iclient:
         stop, tokens, workers = asyncio.Event(), {}, []
         if with_batch:
             workers = [asyncio.create_task(batch_worker(client, base, random.Random(seed * 1000 + i), a, tokens, stop))
@@ -102,7 +84,7 @@ async def run(base, a, with_batch, seed):
         res, tasks = [], []
         while time.perf_counter() - t0 < a.duration:
             ids = prompt(rng, rng.randint(a.interactive_min, a.interactive_max))
-            tasks.append(asyncio.create_task(interactive(client, base, ids, a.interactive_out, res)))
+            tasks.append(asyncio.create_task(interactive(iclient, base, ids, a.interactive_out, res)))
             await asyncio.sleep(rng.expovariate(a.rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
