@@ -50,7 +50,7 @@ class SchedulerMachine(RuleBasedStateMachine):
               classes):
         # windows: the groups of layers (KVLayout): one full group (Llama), every layer sliding
         # (Mistral), or full and sliding groups sharing the pool (Gemma)
-        self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" else 0,
+        self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" or classes == 2 else 0,
                                  windows=windows)
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                              max_model_len=96, long_prefill_token_threshold=chunk,
