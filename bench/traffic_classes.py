@@ -47,15 +47,18 @@ async def interactive(client, base, ids, max_tokens, out):
     out.append({**r, "tokens": len(ids) + r["tokens"]})
 
 
-async def batch_worker(client, base, rng, a, tokens, stop):
-    """Requests back to back until stopped; tokens[key] = completion tokens so far of each request."""
+async def batch_worker(client, base, rng, a, tokens, stop, sent):
+    """Requests back to back until stopped (one only with --batch-once); tokens[key] = completion tokens so
+    far of each request; each request sent is logged in `sent` (for --workload-out)."""
     k = 0
-    while not stop.is_set():
+    while not stop.is_set() and not (a.batch_once and k):
         key = (id(rng), k)
         k += 1
         body = {"prompt": prompt(rng, rng.randint(a.batch_min, a.batch_max)), "max_tokens": a.batch_out,
                 "stream": True, "ignore_eos": True, "priority": 10,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        sent.append((time.perf_counter(), {"prompt_token_ids": body["prompt"], "max_tokens": a.batch_out,
+                                           "priority": 10}))
         try:
             async with client.stream("POST", base + "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
@@ -75,15 +78,18 @@ async def run(base, a, with_batch, seed):
     limits = httpx.Limits(max_connections=a.batch_concurrency + 64)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client, \
             httpx.AsyncClient(timeout=900, headers={"X-Traffic-Class": "interactive"}) as iclient:
-        stop, tokens, workers = asyncio.Event(), {}, []
+        stop, tokens, workers, sent, t_start = asyncio.Event(), {}, [], [], time.perf_counter()
         if with_batch:
-            workers = [asyncio.create_task(batch_worker(client, base, random.Random(seed * 1000 + i), a, tokens, stop))
+            workers = [asyncio.create_task(batch_worker(client, base, random.Random(seed * 1000 + i), a, tokens, stop,
+                                                        sent))
                        for i in range(a.batch_concurrency)]
             await asyncio.sleep(a.warmup)                      # the flood is in full swing
         start_tokens, start_computed, t0 = sum(tokens.values()), computed_tokens(base), time.perf_counter()
         res, tasks = [], []
         while time.perf_counter() - t0 < a.duration:
             ids = prompt(rng, rng.randint(a.interactive_min, a.interactive_max))
+            sent.append((time.perf_counter(), {"prompt_token_ids": ids, "max_tokens": a.interactive_out,
+                                               "traffic_class": "interactive"}))
             tasks.append(asyncio.create_task(interactive(iclient, base, ids, a.interactive_out, res)))
             await asyncio.sleep(rng.expovariate(a.rate))
         await asyncio.gather(*tasks)
@@ -105,7 +111,9 @@ async def run(base, a, with_batch, seed):
     for name, xs in (("ttft", ttft), ("itl", itl)):
         for p in (50, 99):
             row[f"{name}_p{p}_ms"] = round(1000 * pct(xs, p), 1)
-    return row
+    # what was sent, as `pagedserve simulate --workload` reads it (arrival_s from the first request)
+    workload = [{**d, "arrival_s": round(t - t_start, 4)} for t, d in sorted(sent, key=lambda x: x[0])]
+    return row, workload
 
 
 def main():
@@ -125,6 +133,10 @@ def main():
     ap.add_argument("--batch-class", default="{}", help="extra keys of the batch class, JSON (e.g. max_running)")
     ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags for every run")
     ap.add_argument("--runs", default="idle,priority,classes")
+    ap.add_argument("--batch-once", action="store_true",
+                    help="each batch client sends one request (an open workload the simulator can replay)")
+    ap.add_argument("--workload-out", default=None,
+                    help="write each run's requests as simulate JSONL to PREFIX.RUN.jsonl (with their send times)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "traffic_classes.json"))
     a = ap.parse_args()
     common = ["--max-model-len", str(a.batch_max + a.batch_out + 16), *shlex.split(a.serve_args)]
@@ -141,7 +153,10 @@ def main():
         try:
             with httpx.Client(timeout=300) as c:               # warm-up: the first forward passes are slower
                 c.post(base + "/v1/completions", json={"prompt": prompt(random.Random(9), 200), "max_tokens": 8})
-            row = asyncio.run(run(base, a, name != "idle", seed=1))
+            row, workload = asyncio.run(run(base, a, name != "idle", seed=1))
+            if a.workload_out:
+                with open(f"{a.workload_out}.{name}.jsonl", "w") as f:
+                    f.writelines(json.dumps(d) + "\n" for d in workload)
         finally:
             srv.terminate()
             srv.wait(timeout=60)
