@@ -234,11 +234,18 @@ class Scheduler:
         req.num_computed_tokens += n + len(draft)
         return seq
 
-    def _chunk(self, req: Request, budget: int, num_computed: int | None = None) -> int:
+    def _chunk(self, req: Request, budget: int, num_computed: int | None = None,
+               lim: _StepLimits | None = None) -> int:
+        """Tokens req computes this step; with classes, within its class's share of the budget and cut to
+        the step's time target (0: none fit)."""
         done = req.num_computed_tokens if num_computed is None else num_computed
+        if lim is not None:
+            budget = lim.allowance(req, budget)
         n = min(req.num_tokens - done, budget)
         if self.cfg.enable_chunked_prefill and n > 1:
             n = min(n, self.cfg.long_prefill_token_threshold)
+            if lim is not None:
+                n = lim.fit(req, done, n)
         return n
 
     def _schedule_running(self, plan: list, preempted: list[str], budget: int, lim: _StepLimits | None,
@@ -258,9 +265,7 @@ class Scheduler:
                 continue                          # preempted below, or admitted earlier in this step
             if deferrable and req.num_computed_tokens + 1 == req.num_tokens and lim.defer(req):
                 continue
-            n = self._chunk(req, budget if lim is None else lim.allowance(req, budget))
-            if lim is not None and self.cfg.enable_chunked_prefill:
-                n = lim.fit(req, req.num_computed_tokens, n)
+            n = self._chunk(req, budget, lim=lim)
             if n <= 0 or (not self.cfg.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens):
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -305,28 +310,25 @@ class Scheduler:
             # static batching: the next max_num_seqs waiting requests form a batch; nothing else is
             # admitted until its last member finishes (members still join as budget and blocks allow)
             self.static_batch = {r.request_id for _, r in heapq.nsmallest(self.cfg.max_num_seqs, self.waiting)}
-        slots = self.cfg.max_num_seqs - reserve
+        slots, num_seqs = self.cfg.max_num_seqs - reserve, self.num_seqs()
         for req in candidates:
             if budget <= 0:
                 break
             if static and req.request_id not in self.static_batch:
                 break
-            allowance = budget
-            if lim is not None:
-                if lim.blocked(req):
-                    break                         # its class's own limit: its later requests wait too
-                allowance = lim.allowance(req, budget)
-            while self.num_seqs() + 1 + req.num_pending_forks > slots:
+            if lim is not None and lim.blocked(req):
+                break                             # its class's own limit: its later requests wait too
+            while num_seqs + 1 + req.num_pending_forks > slots:
                 freed = None if lim is None else self._preempt_lower(req, plan, preempted, lim)
                 if freed is None:
                     break
-                budget += freed
-            if self.num_seqs() + 1 + req.num_pending_forks > slots:
+                budget, num_seqs = budget + freed, self.num_seqs()
+            if num_seqs + 1 + req.num_pending_forks > slots:
                 if lim is not None:
                     lim.held.setdefault(self.classes[req.traffic_class].name, "max_num_seqs" if not reserve else
                                         f"max_num_seqs ({reserve} kept for lower classes with nothing running)")
                 break
-            n = self._admit(req, allowance, plan, preempted, lim)
+            n = self._admit(req, budget, plan, preempted, lim)
             if not n:                             # no blocks (None) or no prefill time (0) for it
                 if lim is not None:
                     lim.stop(req, "no free KV blocks" if n is None else "no prefill time left (ITL target)")
@@ -340,6 +342,8 @@ class Scheduler:
             bisect.insort(self.running, req, key=_sort_key)
             plan.append((req, n))
             budget -= n
+            # (with classes _admit may have preempted lower classes for blocks: count again)
+            num_seqs = self.num_seqs() if lim is not None else num_seqs + 1 + req.num_pending_forks
             if lim is not None:
                 lim.take(req, req.num_computed_tokens, n, admitted=True)
         return budget
@@ -349,26 +353,22 @@ class Scheduler:
         blocks); with classes, lower classes are preempted while that fails. Its chunk, 0 when an ITL
         target leaves no prefill time, or None when it does not fit."""
         if req.status is RequestStatus.SWAPPED:
-            n = self._chunk(req, budget)
-            if lim is not None and self.cfg.enable_chunked_prefill:
-                n = lim.fit(req, req.num_computed_tokens, n)
-                if n <= 0:
-                    return 0
+            n = self._chunk(req, budget, lim=lim)
+            if n <= 0:
+                return 0
             if not self.kv.swap_in(req):
                 return None
-            if n <= 0 or not self.kv.allocate_slots(req, n):
+            if not self.kv.allocate_slots(req, n):
                 self.kv.free(req)                 # cannot happen often: undo, recompute later
                 req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
                 return None
             return n
         while True:
             computed, num_hit = self.kv.get_computed_blocks(req)
-            n = self._chunk(req, budget, num_hit)
-            if lim is not None and self.cfg.enable_chunked_prefill:
-                n = lim.fit(req, num_hit, n)
-                if n <= 0:
-                    return 0
-            if n <= 0 or (not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_hit):
+            n = self._chunk(req, budget, num_hit, lim)
+            if n <= 0:
+                return 0
+            if not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
                 return None
             if self.kv.allocate_slots(req, n, computed):
                 break
@@ -605,9 +605,7 @@ class _StepLimits:
             return n
 
         def over(k: int) -> bool:
-            rows = list(self.rows.values())
-            rows.append((start, k, 1 if start + k >= req.num_tokens else 0))
-            return self.cost(rows) > self.target
+            return self.over((start, k, 1 if start + k >= req.num_tokens else 0))
         if not over(n):
             return n
         lo = floor = min(n, max(0, MIN_PREFILL_CHUNK - self.prefill))
@@ -619,15 +617,15 @@ class _StepLimits:
         self.held.setdefault(self.classes[req.traffic_class].name, f"prefill cut to {lo} tokens by the ITL target")
         return lo
 
+    def over(self, row: tuple[int, int, int]) -> bool:
+        """The step planned so far plus `row` would pass the time target."""
+        return self.cost([*self.rows.values(), row]) > self.target
+
     def defer(self, req: Request) -> bool:
         """A decode of a class without an ITL target waits if it would push the step's predicted time
         past the target, unless its class has no decode in this step yet."""
         c = req.traffic_class
-        if not self.decodes[c]:
-            return False
-        rows = list(self.rows.values())
-        rows.append((req.num_computed_tokens, 1, 1))
-        if self.cost(rows) <= self.target:
+        if not self.decodes[c] or not self.over((req.num_computed_tokens, 1, 1)):
             return False
         self.held.setdefault(self.classes[c].name, "decodes deferred by the ITL target")
         return True

@@ -17,7 +17,7 @@ from pagedserve.errors import ParamError
 CLASS_KEYS = ("name", "priority", "ttft_p99_ms", "itl_p99_ms", "max_running", "max_budget_share", "max_waiting",
               "preemption_mode")
 PREEMPTION_MODES = ("recompute", "swap")
-# the step the ITL sizing aims at: this fraction of the tightest target, for the time outside the step
+# the step time aimed at: this fraction of the tightest target, for the time outside the step
 # (detokenization, the HTTP thread) and the model's own error
 ITL_HEADROOM = 0.8
 # a TTFT target bounds every step to this share of it (an arrival waits for the step in flight, then
@@ -33,7 +33,7 @@ class TrafficClass:
     itl_p99_ms: float | None = None      # bounds each step while this class has running decodes
     max_running: int | None = None       # sequences of this class running at once
     max_budget_share: float | None = None   # of max_num_batched_tokens, per step
-    max_waiting: int | None = None       # beyond it this class's new requests get 429
+    max_waiting: int | None = None       # beyond it this class's new requests get 503 (Retry-After)
     preemption_mode: str | None = None   # when this class is preempted; None: the engine's --preemption-mode
 
 

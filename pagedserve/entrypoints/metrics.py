@@ -151,14 +151,9 @@ class ServerMetrics:
         return samples
 
     def _class_gauges(self, sch) -> None:
-        running, waiting = [0] * len(self.classes), [0] * len(self.classes)
-        for r in list(sch.running):
-            running[r.traffic_class] += 1
-        for _, r in list(sch.waiting):
-            waiting[r.traffic_class] += 1
-        for c, nr, nw in zip(self.classes, running, waiting):
-            self.class_running.labels(traffic_class=c.name).set(nr)
-            self.class_waiting.labels(traffic_class=c.name).set(nw)
+        for c in sch.class_summary():
+            self.class_running.labels(traffic_class=c["name"]).set(c["running"])
+            self.class_waiting.labels(traffic_class=c["name"]).set(c["waiting"])
 
     def _class_finish(self, klass, m, worst_itl: float) -> None:
         self.class_success.labels(traffic_class=klass.name).inc()

@@ -82,8 +82,7 @@ class SimResult:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
 
     def pct(self, name: str, q: float) -> float:
-        xs = sorted(getattr(self, name))
-        return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else math.nan
+        return _pct(sorted(getattr(self, name)), q)
 
     def summary(self) -> dict:
         out = {"requests": self.num_requests, "rejected": self.rejected, "duration_s": round(self.duration_s, 3), "steps": self.steps,
@@ -102,17 +101,20 @@ class SimResult:
         token, and whose longest inter-token gap, met its p99 targets)."""
         d = self.by_class.get(c.name, {})
         ttft, itl, worst = (sorted(d.get(k, [])) for k in ("ttft_s", "itl_s", "worst_itl_s"))
-        pick = lambda xs, q: round(1000 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))], 2) \
-            if xs else math.nan                                                       # noqa: E731
         out = {"requests": len(ttft), "output_tokens": len(itl) + len(ttft)}
         for name, xs in (("ttft", ttft), ("itl", itl)):
             for q in (50, 99):
-                out[f"{name}_p{q}_ms"] = pick(xs, q)
+                out[f"{name}_p{q}_ms"] = round(1000 * _pct(xs, q), 2)
         if c.ttft_p99_ms is not None and ttft:
             out["ttft_slo_met"] = round(sum(x * 1e3 <= c.ttft_p99_ms for x in ttft) / len(ttft), 4)
         if c.itl_p99_ms is not None and worst:
             out["itl_slo_met"] = round(sum(x * 1e3 <= c.itl_p99_ms for x in worst) / len(worst), 4)
         return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """The q-th percentile of sorted xs (nearest rank), NaN when empty."""
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else math.nan
 
 
 def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, num_blocks: int,
