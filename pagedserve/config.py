@@ -1,9 +1,12 @@
 """Engine configuration: one validated dataclass. The CLI's and the server's flags are generated
-from these fields (see pagedserve.entrypoints.cli), never from a second hand-written list."""
+from these fields (EngineArgs.add_cli_args), never from a second hand-written list."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import types
+import typing
 from dataclasses import MISSING, dataclass, field, fields
 
 SPEC_METHODS = ("ngram",)
@@ -186,6 +189,36 @@ class EngineArgs:
         for f in fields(cls):
             default = None if f.default is MISSING else f.default
             yield f.name, f.type, default, f.metadata.get("help", "")
+
+    @classmethod
+    def add_cli_args(cls, ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        """One flag per field (vLLM's name for this): --name-with-dashes, typed by the field's annotation,
+        booleans as --x / --no-x; `model` positional where the subcommand takes one."""
+        g = ap.add_argument_group("engine")
+        for name, tp, default, help_ in cls.field_specs():
+            flag = "--" + name.replace("_", "-")
+            if name == "model" and positional_model:
+                ap.add_argument("model", nargs="?", default=None, help=help_)
+                continue
+            base = _base_type(tp)
+            if base is bool:
+                g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            else:
+                g.add_argument(flag, type=base, default=default, help=f"{help_} (default: {default})")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = [n for n, *_ in cls.field_specs()]
+        return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})
+
+
+def _base_type(tp):
+    if isinstance(tp, str):   # postponed annotations
+        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)})
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,

@@ -29,7 +29,7 @@ from pagedserve.model.loader import load_model, read_model_config, read_pooling_
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
-from pagedserve.sim.cost_model import FittedCost, LiveCost
+from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
@@ -127,7 +127,6 @@ class LLMEngine:
     def _live_cost(self) -> LiveCost:
         """The step-time model of `pagedserve simulate --calibrate`, refitted while serving on this
         engine's own steps; seeded with this host's cached calibration when there is one."""
-        from pagedserve.sim.calibrate import cache_path, shape_of_engine
         path, seed = cache_path(self.args), None
         if os.path.exists(path):
             seed = FittedCost.load(path)

@@ -15,7 +15,7 @@ from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict,
 from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
                                               traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
-from pagedserve.entrypoints.server import ServerState
+from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()

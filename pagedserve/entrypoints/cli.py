@@ -1,41 +1,12 @@
-"""`pagedserve generate | chat | serve | top | router | simulate | kv-plan`. Engine flags are generated from EngineArgs."""
+"""`pagedserve generate | chat | serve | top | router | simulate | kv-plan`. Engine flags are generated from
+EngineArgs (EngineArgs.add_cli_args)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-import types
-import typing
 
 from pagedserve.config import EngineArgs
-
-
-def add_engine_flags(ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    g = ap.add_argument_group("engine")
-    for name, tp, default, help_ in EngineArgs.field_specs():
-        flag = "--" + name.replace("_", "-")
-        if name == "model" and positional_model:
-            ap.add_argument("model", nargs="?", default=None, help=help_)
-            continue
-        base = _base_type(tp)
-        if base is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
-        else:
-            g.add_argument(flag, type=base, default=default, help=f"{help_} (default: {default})")
-
-
-def _base_type(tp):
-    if isinstance(tp, str):   # postponed annotations
-        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)})
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = [n for n, *_ in EngineArgs.field_specs()]
-    return EngineArgs(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})
 
 
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
@@ -58,7 +29,7 @@ def runs_as_worker(ns) -> bool:
     if ns.cmd not in ("generate", "chat", "serve"):
         return False
     from pagedserve.distributed.executor import is_external_worker, run_worker_from_env
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     if not is_external_worker(args):
         return False
     run_worker_from_env(args)
@@ -67,7 +38,7 @@ def runs_as_worker(ns) -> bool:
 
 def cmd_generate(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(engine_args_from(ns))
+    eng = LLMEngine(EngineArgs.from_cli_args(ns))
     try:
         params = sampling_from(ns)
         prompt = ns.prompt
@@ -95,7 +66,7 @@ def _stream(eng, prompt, params) -> str:
 
 def cmd_chat(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(engine_args_from(ns))
+    eng = LLMEngine(EngineArgs.from_cli_args(ns))
     try:
         return _chat(eng, ns)
     finally:
@@ -133,7 +104,7 @@ def cmd_serve(ns) -> int:
     if ns.data_parallel_size != 1:
         from pagedserve.router.replicas import run_data_parallel
         return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])
-    return run_server(engine_args_from(ns), ns)
+    return run_server(EngineArgs.from_cli_args(ns), ns)
 
 
 def cmd_top(ns) -> int:
@@ -159,21 +130,22 @@ def cmd_kv_plan(ns) -> int:
     return run_kv_plan(ns)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a reply to one prompt")
+def _generate_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_sampling_flags(g)
-    add_engine_flags(g)
+    EngineArgs.add_cli_args(g)
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("chat", help="interactive chat")
+
+
+def _chat_flags(c: argparse.ArgumentParser) -> None:
     c.add_argument("--system", default=None)
     add_sampling_flags(c)
-    add_engine_flags(c)
+    EngineArgs.add_cli_args(c)
     c.set_defaults(fn=cmd_chat)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+
+
+def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 and /debug")
@@ -201,25 +173,58 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache-aware router on --host:--port")
     s.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live view of the cache and the schedule at /dashboard (and /debug/state)")
-    add_engine_flags(s, positional_model=True)
+    EngineArgs.add_cli_args(s, positional_model=True)
     s.set_defaults(fn=cmd_serve)
-    t = sub.add_parser("top", help="the dashboard's live view of a running server, on the terminal")
+
+
+def _top_flags(t: argparse.ArgumentParser) -> None:
     from pagedserve.entrypoints.top import add_top_flags
     add_top_flags(t)
     t.set_defaults(fn=cmd_top)
-    ro = sub.add_parser("router", help="one OpenAI front over data-parallel replicas, cache-aware")
+
+
+def _router_flags(ro: argparse.ArgumentParser) -> None:
     from pagedserve.router.app import add_router_flags
     add_router_flags(ro)
     ro.set_defaults(fn=cmd_router)
-    m = sub.add_parser("simulate", help="capacity planning: the real scheduler on a step-time cost model")
+
+
+def _simulate_flags(m: argparse.ArgumentParser) -> None:
     from pagedserve.sim.cli import add_simulate_flags
     add_simulate_flags(m)
-    add_engine_flags(m)
+    EngineArgs.add_cli_args(m)
     m.set_defaults(fn=cmd_simulate)
-    k = sub.add_parser("kv-plan", help="KV-cache memory arithmetic: blocks, bytes, waste, capacity")
+
+
+def _kv_plan_flags(k: argparse.ArgumentParser) -> None:
     from pagedserve.kv_plan import add_kv_plan_flags
     add_kv_plan_flags(k)
     k.set_defaults(fn=cmd_kv_plan)
+
+
+# subcommand -> (its one-line help, what adds its flags). A subcommand's flags import what it runs (the
+# server's parsers, the router's app, rich), so main adds only the flags of the subcommand asked for:
+# `pagedserve --help` and `pagedserve kv-plan` import none of the others' modules.
+SUBCOMMANDS = {
+    "generate": ("generate a reply to one prompt", _generate_flags),
+    "chat": ("interactive chat", _chat_flags),
+    "serve": ("OpenAI-compatible HTTP server", _serve_flags),
+    "top": ("the dashboard's live view of a running server, on the terminal", _top_flags),
+    "router": ("one OpenAI front over data-parallel replicas, cache-aware", _router_flags),
+    "simulate": ("capacity planning: the real scheduler on a step-time cost model", _simulate_flags),
+    "kv-plan": ("KV-cache memory arithmetic: blocks, bytes, waste, capacity", _kv_plan_flags),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, every subcommand is listed but only that one's flags are
+    added (main passes the subcommand its argv names, or "" for none)."""
+    ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, (help_, add_flags) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if only is None or only == name:
+            add_flags(p)
     return ap
 
 
@@ -227,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    ns = build_parser().parse_args(argv)
-    ns.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else "").parse_args(argv)
+    ns.argv = argv
     try:
         return 0 if runs_as_worker(ns) else ns.fn(ns)
     except ValueError as e:

@@ -15,7 +15,7 @@ from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_param
 from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
                                               submit, traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
-from pagedserve.entrypoints.server import ServerState
+from pagedserve.entrypoints.server_state import ServerState
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.http_errors import RequestError, error_body
-from pagedserve.entrypoints.server import ServerState
+from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError
 
 # how each kind of engine failure is answered: (HTTP status, OpenAI error type)

@@ -29,7 +29,7 @@ from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefi
                                              to_sampling_params)
 from pagedserve.entrypoints.responses import Usage, collect, deltas, sse, state, submit, traffic_class
 from pagedserve.entrypoints.http_errors import RequestError
-from pagedserve.entrypoints.server import ServerState
+from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()

@@ -10,7 +10,6 @@ import hmac
 import logging
 import signal
 import uuid
-from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -22,25 +21,11 @@ from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
 from pagedserve.entrypoints.metrics import ServerMetrics
+from pagedserve.entrypoints.routes import router
+from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
-
-
-@dataclass(slots=True)
-class ServerState:
-    """What the routes share: one per app (app.state.server)."""
-
-    engine: LLMEngine
-    aengine: AsyncLLMEngine
-    metrics: ServerMetrics
-    model_name: str
-    draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
-    chat_template: str | None = None      # --chat-template: replaces the model's own
-    tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
-    reasoning_parser: str | None = None   # --reasoning-parser: <think>...</think> -> reasoning_content
-    recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
-    responses: object = None              # /v1/responses' bounded ResponseStore (made on first use)
 
 
 class Guard:
@@ -157,7 +142,6 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
               tool_call_parser: str | None = None, dashboard: bool = True,
               reasoning_parser: str | None = None) -> FastAPI:
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
-    from pagedserve.entrypoints.routes import router
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)

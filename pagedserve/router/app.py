@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.router.policy import Replica, RoutingPolicy
@@ -36,104 +37,135 @@ def prompt_text(body: dict) -> str:
     return str(p)
 
 
+@dataclass(slots=True)
+class RouterState:
+    """What the routes share: one per app (app.state.router)."""
+
+    policy: RoutingPolicy
+    client: httpx.AsyncClient
+    health_interval_s: float
+
+
+def _state(http: Request) -> RouterState:
+    return http.app.state.router
+
+
+async def check(st: RouterState, r: Replica) -> None:
+    """One health check: /health answers 200; the queue (running + waiting) from /metrics."""
+    try:
+        ok = (await st.client.get(r.url + "/health", timeout=2.0)).status_code == 200
+        if ok:
+            r.queue = _queue(await st.client.get(r.url + "/metrics", timeout=2.0))
+    except httpx.HTTPError:
+        ok = False
+    if ok != r.healthy:
+        log.warning("replica %s is %s", r.url, "back" if ok else "down")
+    r.healthy = ok
+
+
+async def health_loop(st: RouterState) -> None:
+    while True:
+        await asyncio.gather(*(check(st, r) for r in st.policy.replicas))
+        await asyncio.sleep(st.health_interval_s)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    st: RouterState = app.state.router
+    task = asyncio.ensure_future(health_loop(st))
+    yield
+    task.cancel()
+    await st.client.aclose()
+
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health(http: Request):
+    live = _state(http).policy.healthy()
+    return JSONResponse({"status": "ok" if live else "no healthy replica", "healthy": len(live)},
+                        status_code=200 if live else 503)
+
+
+@routes.get("/router/state")
+async def router_state(http: Request):
+    pol = _state(http).policy
+    return {"policy": pol.policy, "replicas": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+                                                "queue": r.queue, "sent": r.sent, "prefixes": len(r.prefixes)}
+                                               for r in pol.replicas]}
+
+
+@routes.get("/v1/models")
+async def models(http: Request):
+    st = _state(http)
+    for r in st.policy.healthy():
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await st.client.get(r.url + "/v1/models", headers=_auth(http))
+            return Response(resp.content, resp.status_code, media_type="application/json")
+    return JSONResponse(_error(503, "no healthy replica"), status_code=503)
+
+
+async def forward(http: Request):
+    """A completion or chat request to the replica the policy picks; one that never reached its replica
+    is retried on another, one the replica took and then failed is a 502 (it must not run twice)."""
+    st = _state(http)
+    pol, client = st.policy, st.client
+    raw = await http.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {}
+    text = prompt_text(body) if isinstance(body, dict) else ""
+    stream = isinstance(body, dict) and body.get("stream") is True
+    tried: set[str] = set()
+    while True:
+        replica, why = pol.choose(text, tried)
+        if replica is None:
+            return JSONResponse(_error(503, f"no healthy replica to serve the request ({why})"), status_code=503)
+        tried.add(replica.url)
+        pol.sent_to(replica, text)
+        req = client.build_request("POST", replica.url + http.url.path, content=raw,
+                                   headers={"content-type": "application/json", **_auth(http)})
+        try:
+            resp = await client.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # it never reached the replica: go elsewhere
+            pol.done(replica)
+            replica.healthy = False
+            log.warning("replica %s unreachable (%s); routing elsewhere", replica.url, type(e).__name__)
+            continue
+        except httpx.HTTPError as e:          # it took the request, then failed: say so, do not run it twice
+            pol.done(replica)
+            replica.healthy = False
+            return JSONResponse(_error(502, f"the replica {replica.url} failed before answering: "
+                                            f"{type(e).__name__}"), status_code=502)
+        headers = {"x-pagedserve-replica": replica.url, "x-pagedserve-route": why}
+        if stream and resp.status_code == 200:
+            return StreamingResponse(_pass_stream(resp, replica, pol), media_type="text/event-stream",
+                                     headers=headers)
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            replica.healthy = False
+            return JSONResponse(_error(502, f"the replica {replica.url} failed mid-answer: "
+                                            f"{type(e).__name__}"), status_code=502)
+        finally:
+            pol.done(replica)
+            await resp.aclose()
+        return Response(content, resp.status_code, media_type=resp.headers.get("content-type"), headers=headers)
+
+
+for _path in FORWARDED:
+    routes.add_api_route(_path, forward, methods=["POST"])
+
+
 def build_router(urls: list[str], policy: str = "cache_aware", health_interval_s: float = 1.0,
                  timeout_s: float = 600.0) -> FastAPI:
-    pol = RoutingPolicy(urls, policy)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
-
-    async def check(r: Replica) -> None:
-        try:
-            ok = (await client.get(r.url + "/health", timeout=2.0)).status_code == 200
-            if ok:
-                r.queue = _queue(await client.get(r.url + "/metrics", timeout=2.0))
-        except httpx.HTTPError:
-            ok = False
-        if ok != r.healthy:
-            log.warning("replica %s is %s", r.url, "back" if ok else "down")
-        r.healthy = ok
-
-    async def health_loop():
-        while True:
-            await asyncio.gather(*(check(r) for r in pol.replicas))
-            await asyncio.sleep(health_interval_s)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        task = asyncio.ensure_future(health_loop())
-        yield
-        task.cancel()
-        await client.aclose()
-
     app = FastAPI(title="pagedserve router", lifespan=lifespan)
-    app.state.policy = pol
-
-    @app.get("/health")
-    async def health():
-        live = pol.healthy()
-        return JSONResponse({"status": "ok" if live else "no healthy replica", "healthy": len(live)},
-                            status_code=200 if live else 503)
-
-    @app.get("/router/state")
-    async def router_state():
-        return {"policy": pol.policy, "replicas": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
-                                                    "queue": r.queue,
-                                                    "sent": r.sent, "prefixes": len(r.prefixes)} for r in pol.replicas]}
-
-    @app.get("/v1/models")
-    async def models(http: Request):
-        for r in pol.healthy():
-            with contextlib.suppress(httpx.HTTPError):
-                resp = await client.get(r.url + "/v1/models", headers=_auth(http))
-                return Response(resp.content, resp.status_code, media_type="application/json")
-        return JSONResponse(_error(503, "no healthy replica"), status_code=503)
-
-    async def forward(http: Request):
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = {}
-        text = prompt_text(body) if isinstance(body, dict) else ""
-        stream = isinstance(body, dict) and body.get("stream") is True
-        tried: set[str] = set()
-        while True:
-            replica, why = pol.choose(text, tried)
-            if replica is None:
-                return JSONResponse(_error(503, f"no healthy replica to serve the request ({why})"), status_code=503)
-            tried.add(replica.url)
-            pol.sent_to(replica, text)
-            req = client.build_request("POST", replica.url + http.url.path, content=raw,
-                                       headers={"content-type": "application/json", **_auth(http)})
-            try:
-                resp = await client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # it never reached the replica: go elsewhere
-                pol.done(replica)
-                replica.healthy = False
-                log.warning("replica %s unreachable (%s); routing elsewhere", replica.url, type(e).__name__)
-                continue
-            except httpx.HTTPError as e:          # it took the request, then failed: say so, do not run it twice
-                pol.done(replica)
-                replica.healthy = False
-                return JSONResponse(_error(502, f"the replica {replica.url} failed before answering: "
-                                                f"{type(e).__name__}"), status_code=502)
-            headers = {"x-pagedserve-replica": replica.url, "x-pagedserve-route": why}
-            if stream and resp.status_code == 200:
-                return StreamingResponse(_pass_stream(resp, replica, pol), media_type="text/event-stream",
-                                         headers=headers)
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError as e:
-                replica.healthy = False
-                return JSONResponse(_error(502, f"the replica {replica.url} failed mid-answer: "
-                                                f"{type(e).__name__}"), status_code=502)
-            finally:
-                pol.done(replica)
-                await resp.aclose()
-            return Response(content, resp.status_code, media_type=resp.headers.get("content-type"), headers=headers)
-
-    for path in FORWARDED:
-        app.add_api_route(path, forward, methods=["POST"])
+    app.state.router = RouterState(RoutingPolicy(urls, policy), client, health_interval_s)
+    app.include_router(routes)
     return app
 
 

@@ -2,7 +2,6 @@
 record each step's features and wall time, fit (`cost_model.fit`). Cached per host, model and dtype."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -10,25 +9,11 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
-from pagedserve.host import cpu_info
-from pagedserve.sim.cost_model import FittedCost, ModelShape, fit, step_features
+from pagedserve.sim.cost_model import (FittedCost, ModelShape, cache_path, fit, host_key,  # noqa: F401 (bench imports them here)
+                                       shape_of_engine, step_features)
 from pagedserve.sim.simulator import SimRequest, poisson_workload
 
 log = logging.getLogger("pagedserve")
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-
-
-def host_key() -> str:
-    """CPU model and flags: fits are not portable between hosts of one machine kind."""
-    model, flags = cpu_info()
-    return f"{model} [{hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}, {os.cpu_count()} cpus]"
-
-
-def cache_path(args: EngineArgs) -> str:
-    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.kv_cache_dtype}|{args.block_size}".encode()).hexdigest()[:16]
-    d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
-    os.makedirs(d, exist_ok=True)
-    return os.path.join(d, f"{key}.json")
 
 
 def calibration_workload() -> list[list[SimRequest]]:
@@ -61,13 +46,6 @@ def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, Mode
             eng.step()
             samples.append((step_features(shape, eng.last_schedule.seqs), eng.last_stats.step_s))
     return samples, shape
-
-
-def shape_of_engine(eng) -> ModelShape:
-    b = DTYPE_BYTES.get(str(eng.runner.dtype).removeprefix("torch."), 4.0)
-    c = eng.model_config
-    kv = eng.kv_cache_bytes_per_token / (2 * c.num_layers * c.num_kv_heads * c.head_dim)   # scales included
-    return ModelShape.from_model_config(c, weight_bytes=b, kv_bytes=kv)
 
 
 class StepTrace:

@@ -57,8 +57,7 @@ def load_jsonl(path: str) -> list[SimRequest]:
 
 def resolve(ns) -> tuple[ModelShape, object, EngineArgs, int, int]:
     """The model shape, the cost model, engine args, KV blocks and max_model_len from the flags."""
-    from pagedserve.entrypoints.cli import engine_args_from
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     gpu = ns.hardware in PROFILES and ns.hardware != "cpu"
     wdt = DTYPE_BYTES[ns.weight_dtype or ("bf16" if gpu else "fp32")]
     kv_name = ns.kv_dtype or (args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None)

@@ -16,10 +16,14 @@ memory traffic do not overlap much, so there the parts add."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+from pagedserve.host import cpu_info
 
 
 @dataclass(slots=True, frozen=True)
@@ -212,3 +216,29 @@ class LiveCost:
 
     def __call__(self, rows: list[tuple[int, int, int]]) -> float:
         return 0.0 if self.model is None else self.model.step_time(row_features(self.shape, rows))
+
+
+# Where a host's calibration is cached, and the shape of a running engine: used by the engine (its
+# live cost model starts from the cache) and by `simulate --calibrate` (which writes it).
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+def host_key() -> str:
+    """CPU model and flags: fits are not portable between hosts of one machine kind."""
+    model, flags = cpu_info()
+    return f"{model} [{hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}, {os.cpu_count()} cpus]"
+
+
+def cache_path(args) -> str:
+    """The calibration file of this host for these EngineArgs (model, dtypes, block size)."""
+    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.kv_cache_dtype}|{args.block_size}".encode()).hexdigest()[:16]
+    d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"{key}.json")
+
+
+def shape_of_engine(eng) -> ModelShape:
+    b = DTYPE_BYTES.get(str(eng.runner.dtype).removeprefix("torch."), 4.0)
+    c = eng.model_config
+    kv = eng.kv_cache_bytes_per_token / (2 * c.num_layers * c.num_kv_heads * c.head_dim)   # scales included
+    return ModelShape.from_model_config(c, weight_bytes=b, kv_bytes=kv)

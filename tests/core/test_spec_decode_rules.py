@@ -133,9 +133,9 @@ def test_a_draft_stops_at_max_tokens_and_a_finish_ends_the_run():
 
 
 def test_the_cli_flag_takes_vllm_json_and_a_bad_one_is_a_clear_error(capsys):
-    from pagedserve.entrypoints.cli import build_parser, engine_args_from, main
+    from pagedserve.entrypoints.cli import build_parser, main
     ns = build_parser().parse_args(["serve", "--speculative-config",
                                     '{"method": "ngram", "num_speculative_tokens": 3}'])
-    assert SpeculativeConfig.parse(engine_args_from(ns).speculative_config).num_speculative_tokens == 3
+    assert SpeculativeConfig.parse(EngineArgs.from_cli_args(ns).speculative_config).num_speculative_tokens == 3
     assert main(["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 40}']) == 2
     assert "speculative_config.num_speculative_tokens" in capsys.readouterr().err

@@ -62,3 +62,35 @@ def test_simulate_from_shape_flags(capsys):
     assert json.loads(capsys.readouterr().out) == by_flags
     assert main(["simulate", "--layers", "32", "--hardware", "a100"]) == 2
     assert "--hidden" in capsys.readouterr().err
+
+
+# What each subcommand may import (issue 24 item 4): the arithmetic and the clients import neither torch
+# nor the server app; `pagedserve --help` imports no subcommand's modules at all.
+IMPORT_PROBE = """
+import sys
+for m in ("torch", "transformers", "pagedserve.entrypoints.server"):
+    sys.modules[m] = None          # importing any of them now fails
+from pagedserve.entrypoints.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(sorted(m for m in ("fastapi", "pydantic", "uvicorn", "numpy", "rich", "httpx") if sys.modules.get(m)))
+"""
+
+
+def test_subcommands_import_only_what_they_run():
+    import json
+    import subprocess
+    import sys
+
+    def imported(*argv):
+        p = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+    assert imported("--help") == []
+    assert imported("kv-plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64") == []
+    assert imported("simulate", "--help") == []
+    assert set(imported("top", "--help")) <= {"rich", "httpx"}
+    assert "numpy" not in imported("router", "--help")       # the router's own app (FastAPI), not the server's
