@@ -24,6 +24,9 @@ PATHS = {       # name -> `pagedserve serve` flags
     "gguf": "--quantization gguf",
     "int8-kv": "--kv-cache-dtype int8",
     "tp2": "--tensor-parallel-size 2 --dtype float32",
+    "ngram": """--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'""",
+    # soak.py's priorities -1 / 0 / 1 pick the three bands (as in BENCHMARKS.md's traffic-class soak)
+    "traffic-classes": """--traffic-classes '[{"name": "urgent", "priority": -1, "itl_p99_ms": 100, "ttft_p99_ms": 2000, "max_running": 6}, {"name": "normal", "priority": 0, "max_budget_share": 0.7, "preemption_mode": "swap"}, {"name": "low", "priority": 1, "max_budget_share": 0.3, "max_waiting": 20}]'""",
 }
 # the default model's 9 attention heads do not split in two: TP=2 runs a random Llama of the same depth
 # and width class (30 layers, hidden 512, 8 heads, 4 KV heads) with the default model's tokenizer

@@ -55,3 +55,40 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# glibc's malloc serves a block of at least its mmap threshold with its own mmap, returned to the
+# system when freed; but on each such free it raises the threshold to that block's size (up to 32
+# MiB), so from then on blocks of that size come from the heap arenas and stay there, fragmented
+# between smaller ones. A step's transient tensors (logits and their softmax, sort and mask copies, a
+# prefill's activations) are 1-32 MiB, of ever-new sizes; issue 22 measured the result as a
+# high-water mark that climbs in steps for thousands of requests (+92.6 MiB by request 3,250 of a
+# float32 soak) and RSS samples that swing by 50 MiB. Fixing the threshold (glibc then stops moving
+# it) sends every such tensor to mmap and back: RSS flat within 2 MiB over the same soak, no
+# slower (BENCHMARKS.md, "Memory over many requests"). The trim threshold is raised with it so the
+# heap's top is not returned and refaulted every step.
+MMAP_THRESHOLD = 16 << 20
+TRIM_THRESHOLD = 64 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3       # glibc's <malloc.h>
+
+
+@functools.cache
+def fix_malloc_thresholds() -> str:
+    """Fix glibc's mmap and trim thresholds for this process (once; before the model loads). Left
+    alone where the user set either by glibc's own environment variables, where
+    PAGEDSERVE_MALLOC_THRESHOLDS=0, or where the C library is not glibc. Returns what was done, for
+    the start-up log."""
+    if os.environ.get("PAGEDSERVE_MALLOC_THRESHOLDS", "1") == "0":
+        return "left as glibc sets them (PAGEDSERVE_MALLOC_THRESHOLDS=0)"
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return "left as the environment sets them"
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version          # glibc only
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    except (OSError, AttributeError):
+        return "left alone (not glibc)"
+    return (f"mmap threshold fixed at {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
+            if ok else "left alone (mallopt refused)")

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.distributed.group import Rendezvous, TPGroup
+from pagedserve.host import fix_malloc_thresholds
 from pagedserve.model.loader import ModelSource, load_model
 from pagedserve.runner.model_runner import ModelRunner
 
@@ -55,6 +56,7 @@ class CacheSpec:
 
 def run_worker(spec: WorkerSpec) -> None:
     """The worker's whole life. A failure is written to the rendezvous store for rank 0 to report."""
+    fix_malloc_thresholds()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
