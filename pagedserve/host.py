@@ -60,13 +60,14 @@ def available_memory_bytes() -> int:
 # glibc's malloc serves a block of at least its mmap threshold with its own mmap, returned to the
 # system when freed; but on each such free it raises the threshold to that block's size (up to 32
 # MiB), so from then on blocks of that size come from the heap arenas and stay there, fragmented
-# between smaller ones. A step's transient tensors (logits and their softmax, sort and mask copies, a
-# prefill's activations) are 1-32 MiB, of ever-new sizes; issue 22 measured the result as a
+# between smaller ones. A step's transient tensors (logits and their softmax, sort and mask copies,
+# prompt logprobs, a prefill's activations) come in ever-new sizes; issue 22 measured the result as a
 # high-water mark that climbs in steps for thousands of requests (+92.6 MiB by request 3,250 of a
-# float32 soak) and RSS samples that swing by 50 MiB. Fixing the threshold (glibc then stops moving
-# it) sends every such tensor to mmap and back: RSS flat within 2 MiB over the same soak, no
-# slower (BENCHMARKS.md, "Memory over many requests"). The trim threshold is raised with it so the
-# heap's top is not returned and refaulted every step.
+# float32 soak) and RSS samples that swing by 50 MiB. A fixed threshold (glibc stops moving it once
+# it is set) keeps every block of 16 MiB or more on mmap, so it goes back when freed, and leaves the
+# smaller ones (a 1,024-token step's per-layer activations) in the heap, reused step after step: RSS
+# flat within a few MiB over the same soak, no slower (BENCHMARKS.md, "Memory over many requests").
+# The trim threshold is raised with it so the heap's top is not returned and refaulted every step.
 MMAP_THRESHOLD = 16 << 20
 TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3       # glibc's <malloc.h>

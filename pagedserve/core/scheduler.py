@@ -342,8 +342,7 @@ class Scheduler:
             bisect.insort(self.running, req, key=_sort_key)
             plan.append((req, n))
             budget -= n
-            # (with classes _admit may have preempted lower classes for blocks: count again)
-            num_seqs = self.num_seqs() if lim is not None else num_seqs + 1 + req.num_pending_forks
+            num_seqs = self.num_seqs()            # _admit may have preempted lower classes for blocks
             if lim is not None:
                 lim.take(req, req.num_computed_tokens, n, admitted=True)
         return budget

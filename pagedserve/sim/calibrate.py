@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
-from pagedserve.sim.cost_model import (FittedCost, ModelShape, cache_path, fit, host_key,  # noqa: F401 (bench imports them here)
-                                       shape_of_engine, step_features)
+from pagedserve.sim.cost_model import (FittedCost, ModelShape, cache_path, fit, host_key, shape_of_engine,
+                                       step_features)
 from pagedserve.sim.simulator import SimRequest, poisson_workload
 
 log = logging.getLogger("pagedserve")
