@@ -11,6 +11,7 @@ _EXPORTS = {
     "CompletionOutput": "pagedserve.engine.outputs", "RequestOutput": "pagedserve.engine.outputs",
     "SamplingParams": "pagedserve.sampling_params", "BeamSearchParams": "pagedserve.sampling_params",
     "PoolingParams": "pagedserve.sampling_params", "EmbeddingRequestOutput": "pagedserve.engine.outputs",
+    "LoRARequest": "pagedserve.lora_request",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -128,6 +128,17 @@ class EngineArgs:
         'max_running, max_budget_share, max_waiting, preemption_mode. A request picks one by traffic_class, the '
         'X-Traffic-Class header or its priority band; higher classes preempt lower ones, and while a class with an '
         'ITL target decodes, prefill is cut to keep the predicted step under it'))
+    enable_lora: bool = field(default=False, metadata=_h(
+        "serve LoRA adapters (PEFT folders) beside the base model: a request picks one by its `model` "
+        "(LLM.generate: lora_request); rows of different adapters share a step"))
+    lora_modules: list[str] | dict | None = field(default=None, metadata=_h(
+        "adapters to load at start: NAME=PATH ... or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora; "
+        "more at run time with POST /v1/load_lora_adapter)"))
+    max_loras: int = field(default=1, metadata=_h("most LoRA adapters among the running sequences (slots per step)"))
+    max_lora_rank: int = field(default=16, metadata=_h("largest adapter rank accepted (the slots' width)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_h(
+        "most adapters loaded at once (each holds its weights in memory); default: max_loras, the --lora-modules "
+        "count, and 8 more"))
     distributed_executor_backend: str = field(default="mp", metadata=_h(
         "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
         "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
@@ -175,6 +186,26 @@ class EngineArgs:
             bad("speculative_config", "is not supported with tensor_parallel_size > 1")
         if spec is not None and self.scheduling_policy == "static":
             bad("speculative_config", "is not supported with scheduling_policy static")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "must be a positive integer")
+        if self.max_lora_rank > 512:
+            bad("max_lora_rank", "must be at most 512")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or isinstance(self.max_cpu_loras, bool)
+                                               or self.max_cpu_loras < self.max_loras):
+            bad("max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}) or None")
+        from pagedserve.lora_request import parse_lora_modules
+        modules = parse_lora_modules(self.lora_modules)
+        if modules and not self.enable_lora:
+            bad("lora_modules", "needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            bad("enable_lora", "is not supported with tensor_parallel_size > 1")
+        if self.enable_lora and self.scheduling_policy == "static":
+            bad("enable_lora", "is not supported with scheduling_policy static")
+        if self.max_cpu_loras is not None and len(modules) > self.max_cpu_loras:
+            bad("max_cpu_loras", f"is less than the {len(modules)} adapters of lora_modules")
         from pagedserve.core.traffic import TrafficClasses
         if TrafficClasses.parse(self.traffic_classes) is not None and self.scheduling_policy == "static":
             bad("traffic_classes", "are not supported with scheduling_policy static")
@@ -203,6 +234,8 @@ class EngineArgs:
             base = _base_type(tp)
             if base is bool:
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            elif typing.get_origin(base) is list:
+                g.add_argument(flag, nargs="+", default=default, help=help_)
             else:
                 g.add_argument(flag, type=base, default=default, help=f"{help_} (default: {default})")
 
@@ -214,7 +247,8 @@ class EngineArgs:
 
 def _base_type(tp):
     if isinstance(tp, str):   # postponed annotations
-        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)})
+        tp = eval(tp, {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list,
+                       "None": type(None)})
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0]

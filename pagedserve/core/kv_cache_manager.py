@@ -127,8 +127,9 @@ class KVCacheManager:
 
     def _ensure_hashes(self, req: Request, upto_tokens: int) -> None:
         bs, hashes = self.block_size, req.block_hashes
+        root = hash(("lora", req.lora_id)) if req.lora_id else None    # an adapter's KV differs from the base's
         for i in range(len(hashes), upto_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(hash_block(hashes[-1] if hashes else root, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
         """The longest cached prefix of full blocks (per group), capped at num_tokens - 1 so the last

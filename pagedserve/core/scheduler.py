@@ -49,12 +49,13 @@ class SchedulerConfig:
     preemption_mode: str = _ARGS["preemption_mode"]
     max_waiting_requests: int | None = _ARGS["max_waiting_requests"]
     policy: str = _ARGS["scheduling_policy"]     # "continuous" | "static" (a batch runs until its longest member ends)
+    max_loras: int = _ARGS["max_loras"]          # most LoRA adapters among running sequences (with enable_lora)
 
     @classmethod
     def from_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         return cls(args.max_num_batched_tokens, args.max_num_seqs, max_model_len, args.enable_chunked_prefill,
                    args.long_prefill_token_threshold, args.preemption_mode, args.max_waiting_requests,
-                   args.scheduling_policy)
+                   args.scheduling_policy, args.max_loras)
 
 
 class Scheduler:
@@ -134,7 +135,8 @@ class Scheduler:
                         status=RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens, seq_index=i,
                         parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
                         first_scheduled_time=parent.first_scheduled_time, generator_seed=seed,
-                        prompt_logprobs_done=parent.prompt_logprobs_done)   # a recompute must not redo them
+                        prompt_logprobs_done=parent.prompt_logprobs_done,   # a recompute must not redo them
+                        lora_id=parent.lora_id)
         self.requests[child.request_id] = child
         self.kv.fork(parent, child)
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings
@@ -311,11 +313,16 @@ class Scheduler:
             # admitted until its last member finishes (members still join as budget and blocks allow)
             self.static_batch = {r.request_id for _, r in heapq.nsmallest(self.cfg.max_num_seqs, self.waiting)}
         slots, num_seqs = self.cfg.max_num_seqs - reserve, self.num_seqs()
+        skipped: list[Request] = []               # waiting on a LoRA slot: later requests may pass them
         for req in candidates:
             if budget <= 0:
                 break
             if static and req.request_id not in self.static_batch:
                 break
+            if req.lora_id and not self._lora_fits(req.lora_id):
+                if lim is None:                   # out of the queue while the pass goes on; pushed back below
+                    skipped.append(heapq.heappop(self.waiting)[1])
+                continue
             if lim is not None and lim.blocked(req):
                 break                             # its class's own limit: its later requests wait too
             while num_seqs + 1 + req.num_pending_forks > slots:
@@ -345,7 +352,15 @@ class Scheduler:
             num_seqs = self.num_seqs()            # _admit may have preempted lower classes for blocks
             if lim is not None:
                 lim.take(req, req.num_computed_tokens, n, admitted=True)
+        for req in skipped:
+            self._push_waiting(req)
         return budget
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        """Whether a sequence of this adapter can run beside the running ones: its adapter already
+        runs, or fewer than max_loras adapters do (the runner has max_loras slots)."""
+        active = {r.lora_id for r in self.running} - {0}
+        return lora_id in active or len(active) < self.cfg.max_loras
 
     def _admit(self, req: Request, budget: int, plan: list, preempted: list[str], lim: _StepLimits | None) -> int | None:
         """Blocks for a waiting request's first chunk (its swapped blocks back, or its prefix hits and new
@@ -540,6 +555,8 @@ class Scheduler:
             return "static batch in flight"
         if self.num_seqs() + 1 + req.num_pending_forks > self.cfg.max_num_seqs:
             return "max_num_seqs reached"
+        if req.lora_id and not self._lora_fits(req.lora_id):
+            return f"max_loras ({self.cfg.max_loras}) other LoRA adapters are running"
         if ahead and any(r.priority < req.priority for r in ahead):
             return "lower priority"
         need = self.kv.new_blocks_needed(req.num_tokens - req.num_computed_tokens)

@@ -68,6 +68,7 @@ class ScheduledSeq:
     prompt_logprobs: PromptLogprobsRow | None = None
     pool: PoolRow | None = None
     num_draft: int = 0
+    lora_id: int = 0                    # the LoRA adapter its rows run with (0: the base model)
 
     @property
     def draft(self) -> tuple[int, ...]:
@@ -91,7 +92,7 @@ class ScheduledSeq:
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
            draft: tuple[int, ...] = ()) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, block_tables,
-                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft))
+                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id)
 
 
 @dataclass(slots=True, frozen=True)

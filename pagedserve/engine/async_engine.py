@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestFailure, RequestOutput
 from pagedserve.errors import EngineDeadError
@@ -73,6 +74,7 @@ class _Submit:
     accepted: asyncio.Future
     stream: bool
     traffic_class: str | None = None
+    lora_request: LoRARequest | None = None
 
     def resolve(self, error: BaseException | None) -> None:
         def set_result(f: asyncio.Future = self.accepted):
@@ -127,13 +129,15 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ called from asyncio
     async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                          stream: bool = True, traffic_class: str | None = None) -> RequestStream:
+                          stream: bool = True, traffic_class: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Submit a request; raises what engine.add_request raises (ParamError, QueueFullError) or
         EngineDeadError. Iterate the returned stream for its outputs: deltas after every step when
         `stream`, else one full output at the end."""
         loop = asyncio.get_running_loop()
         rs = RequestStream(self, request_id, loop)
-        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream, traffic_class)
+        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream, traffic_class,
+                      lora_request)
         with self._lock:
             if self.dead is not None:
                 raise self.dead
@@ -214,7 +218,7 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(item.out.request_id, item.prompt, item.params, priority=item.priority,
                                         stream=item.stream, arrival_time=item.arrival_time,
-                                        traffic_class=item.traffic_class)
+                                        traffic_class=item.traffic_class, lora_request=item.lora_request)
             except Exception as e:      # reported to the caller; the engine changed nothing
                 item.resolve(e)
                 continue

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora_request import LoRARequest
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 from pagedserve.tokenizer import apply_chat_template
@@ -35,7 +36,9 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,16 +47,22 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         if any(p.use_beam_search for p in params):
+            if lora_request is not None:
+                raise ValueError("lora_request: beam search runs the base model only")
             return [self._beam_search_one(pr, p) for pr, p in zip(prompts, params)]
-        return self._run(prompts, params, priority, use_tqdm)
+        return self._run(prompts, params, priority, use_tqdm, loras)
 
-    def _run(self, prompts, params, priority, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, params, priority, use_tqdm, loras=None) -> list[RequestOutput]:
         eng = self.engine
         ids = []
         try:
             for i, (pr, sp) in enumerate(zip(prompts, params)):
-                ids.append(eng.add_request(None, pr, sp, priority=priority[i] if priority else 0))
+                ids.append(eng.add_request(None, pr, sp, priority=priority[i] if priority else 0,
+                                           lora_request=loras[i] if loras else None))
         except Exception:
             for rid in ids:
                 eng.abort(rid)
@@ -82,11 +91,11 @@ class LLM:
                 for o in outs]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": apply_chat_template(self.engine.tokenizer, c, add_generation_prompt)}
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------ beam search
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:

@@ -26,6 +26,8 @@ from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
+from pagedserve.lora_request import LoRAEntry, LoRARegistry, LoRARequest, parse_lora_modules
+from pagedserve.model.lora import read_adapter
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
@@ -116,6 +118,17 @@ class LLMEngine:
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
+        self.loras: LoRARegistry | None = None            # adapter name -> id (enable_lora); weights: the runner
+        self._retired_loras: set[int] = set()             # unloaded adapters still used by requests in flight
+        if args.enable_lora:
+            modules = parse_lora_modules(args.lora_modules)
+            self.loras = LoRARegistry(args.max_cpu_loras or max(args.max_loras, len(modules)) + 8)
+            self.runner.enable_lora(args.max_loras, args.max_lora_rank)
+            for name, path in modules.items():
+                self.add_lora(name, path, field="lora_modules")
+            log.info("LoRA: up to %d adapters per step, rank <= %d, %d loaded (%s), at most %d in memory",
+                     args.max_loras, args.max_lora_rank, len(modules), ", ".join(modules) or "none",
+                     self.loras.capacity)
         spec = self.scheduler.spec = SpeculativeConfig.parse(args.speculative_config)
         if spec is not None and spec.adaptive:
             self.scheduler.spec_cost = cost = self._measure_step_costs(spec.num_speculative_tokens)
@@ -204,6 +217,57 @@ class LLMEngine:
                  blocks * per_block / GiB, how, blocks, a.block_size, blocks * a.block_size, per_block // a.block_size)
         return int(blocks)
 
+    # ------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str, field: str = "lora_path") -> LoRAEntry:
+        """Load a PEFT adapter folder under `name`; ValueError naming what is wrong (`field`: the path's
+        parameter). Call it in the engine thread (the server's AsyncLLMEngine.call)."""
+        if self.loras is None:
+            raise ValueError("enable_lora: this engine runs without LoRA (--enable-lora)")
+        self.loras.check_room(name)
+        weights = read_adapter(path, self.model_config, self.args.max_lora_rank, field)
+        entry = self.loras.add(name, path, weights.rank)
+        self.runner.add_lora(entry.lora_id, weights)
+        log.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", name, path, weights.rank, weights.nbytes / 2**20)
+        return entry
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter: new requests can no longer name it; those in flight finish with it (its
+        weights go when the last of them ends). False when no adapter has that name."""
+        entry = None if self.loras is None else self.loras.remove(name)
+        if entry is None:
+            return False
+        self._retired_loras.add(entry.lora_id)
+        self._drop_retired_loras()
+        log.info("LoRA adapter %r unloaded", name)
+        return True
+
+    def _drop_retired_loras(self) -> None:
+        live = {r.lora_id for r in self.scheduler.requests.values()}
+        for lora_id in self._retired_loras - live:
+            self.runner.remove_lora(lora_id)
+        self._retired_loras &= live
+
+    def _lora_id(self, lora: LoRARequest | None) -> int:
+        """The engine's id of a request's adapter (0: none), loading it when a LoRARequest names a new one."""
+        if lora is None:
+            return 0
+        if not isinstance(lora, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest")
+        if self.loras is None:
+            raise ParamError("lora_request", "lora_request: this engine runs without LoRA (enable_lora)")
+        entry = self.loras.get(lora.lora_name)
+        if entry is None:
+            if not lora.lora_path:
+                raise ParamError("lora_request", f"lora_request: no adapter named {lora.lora_name!r} is loaded")
+            try:
+                entry = self.add_lora(lora.lora_name, lora.lora_path)
+            except ValueError as e:
+                raise ParamError("lora_request", str(e)) from None
+        elif lora.lora_path and lora.lora_path != entry.path:
+            raise ParamError("lora_request", f"lora_request: the adapter {lora.lora_name!r} is loaded from "
+                                             f"{entry.path!r}, not {lora.lora_path!r}")
+        return entry.lora_id
+
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -222,9 +286,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None,
-                    traffic_class: str | None = None) -> str:
+                    traffic_class: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
-        hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request)."""
+        hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request).
+        `lora_request`: the LoRA adapter it runs with (enable_lora)."""
         pooling = None
         if isinstance(params, PoolingParams):
             pooling = self.resolve_pooling(params)
@@ -248,6 +313,7 @@ class LLMEngine:
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", params.logit_bias or ())
         text, ids = self.tokenize(prompt)
+        lora_id = self._lora_id(lora_request)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids, priority=priority,
@@ -258,6 +324,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             req.grammar = self.scheduler.grammar.matcher(params.structured_outputs)
         req.pooling = pooling
+        req.lora_id = lora_id
         self.scheduler.add_request(req)          # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(request_id, text, req, stream)
         return request_id
@@ -295,6 +362,8 @@ class LLMEngine:
         for seq in st.seqs:
             self.scheduler.abort(seq.request.request_id)
             self.runner.sampler.forget(seq.request.request_id)
+        if self._retired_loras:
+            self._drop_retired_loras()
         self.counters.count_finish("abort")
         return self.outputs.output(st)
 
@@ -340,6 +409,8 @@ class LLMEngine:
         for o in outs:
             if o.finished:
                 self.states.pop(o.request_id, None)
+        if self._retired_loras:
+            self._drop_retired_loras()
         step_s = time.perf_counter() - t0
         self._record_stats(so, ro, step_s)
         if self.step_cost is not None and so.seqs:

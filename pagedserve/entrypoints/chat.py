@@ -46,7 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body))
+                           klass=traffic_class(http, body), model=body.model)
     created = int(time.time())
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, top or 0, mode, len(ids)), streams)

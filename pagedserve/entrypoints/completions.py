@@ -41,7 +41,7 @@ async def completions(body: CompletionRequest, http: Request):
     await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body))
+                           klass=traffic_class(http, body), model=body.model)
     created = int(time.time())
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, prompts, echo_only), streams)

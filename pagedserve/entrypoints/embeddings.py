@@ -27,7 +27,7 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     rid = f"embd-{uuid.uuid4().hex}"
     try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
         streams = await submit(st, rid, prompts, PoolingParams(dimensions=body.dimensions), body.priority,
-                               stream=False, klass=traffic_class(http, body))
+                               stream=False, klass=traffic_class(http, body), model=body.model)
     except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
         raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
     outs = await collect(http, streams)

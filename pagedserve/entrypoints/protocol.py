@@ -226,6 +226,18 @@ class ResponsesRequest(_Sampling):
     include: list[str] | None = None      # accepted and ignored (no logprobs / encrypted reasoning to include)
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's; lora_int_id accepted and unused: the name identifies it)."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings (OpenAI's fields; vLLM's priority)."""
     model: str | None = None

@@ -16,7 +16,8 @@ from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.http_errors import RequestError, error_body
 from pagedserve.entrypoints.server_state import ServerState
-from pagedserve.errors import EngineDeadError
+from pagedserve.errors import EngineDeadError, ParamError
+from pagedserve.lora_request import LoRARequest
 
 # how each kind of engine failure is answered: (HTTP status, OpenAI error type)
 FAILURE_STATUS = {"internal_error": (500, "server_error"), "engine_dead": (500, "engine_dead"),
@@ -42,20 +43,36 @@ def traffic_class(http: Request, body) -> str | None:
     return named if named and state(http).engine.scheduler.classes is not None else None
 
 
+def lora_of(st: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names (with --enable-lora): None for the served model. Whether
+    an adapter of that name is loaded is decided in the engine thread, where adapters are loaded and
+    unloaded (an unknown name is a 404 naming `model`)."""
+    if not st.engine.args.enable_lora or model is None or model == st.model_name:
+        return None
+    return LoRARequest(model)
+
+
 async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,
-                 stream: bool, klass: str | None = None) -> list[RequestStream]:
+                 stream: bool, klass: str | None = None, model: str | None = None) -> list[RequestStream]:
     """One engine request per prompt (ids rid, or rid-0, rid-1, ...), all handed to the engine at once
     so they join the same step; if one is refused, the others are aborted and its error goes to the
-    client. `klass`: the traffic class it names."""
+    client. `klass`: the traffic class it names; `model`: the body's (a LoRA adapter's name picks it)."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    got = await asyncio.gather(*(st.aengine.add_request(i, p, params, priority, stream=stream, traffic_class=klass)
+    lora = lora_of(st, model)
+    got = await asyncio.gather(*(st.aengine.add_request(i, p, params, priority, stream=stream, traffic_class=klass,
+                                                        lora_request=lora)
                                  for i, p in zip(ids, prompts)), return_exceptions=True)
     errors = [g for g in got if isinstance(g, BaseException)]
     if errors:
         for g in got:
             if not isinstance(g, BaseException):
                 g.abort()
-        raise errors[0]
+        e = errors[0]
+        if isinstance(e, ParamError) and e.param == "lora_request":
+            raise RequestError("model", f"model: the model {model!r} does not exist (served: {st.model_name!r} "
+                                        f"and its loaded LoRA adapters, listed by /v1/models)", 404,
+                               "NotFoundError") from None
+        raise e
     return got
 
 

@@ -210,7 +210,7 @@ async def create_response(body: ResponsesRequest, http: Request):
     await asyncio.to_thread(st.engine.precompile, params)
     rid = f"resp_{uuid.uuid4().hex}"
     streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body))
+                           klass=traffic_class(http, body), model=body.model)
     shell = _shell(st, body, rid, int(time.time()))
     if body.stream:
         return sse(_events(st, body, chat, mode, shell, convo, streams, len(ids)), streams, event_lines=True)

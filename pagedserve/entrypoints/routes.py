@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from pagedserve.entrypoints import chat, completions, embeddings, responses_api
-from pagedserve.entrypoints.protocol import DetokenizeRequest, TokenizeRequest, message_dict
+from pagedserve.entrypoints.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                             UnloadLoRAAdapterRequest, message_dict)
 from pagedserve.entrypoints.responses import state as _state
 from pagedserve.entrypoints.http_errors import RequestError, error_response
 from pagedserve.tokenizer import apply_chat_template
@@ -37,10 +38,46 @@ async def health(http: Request):
 
 @router.get("/v1/models")
 async def models(http: Request):
+    """The served model, and with --enable-lora each loaded adapter (its parent: the served model)."""
     st = _state(http)
-    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                                        "root": st.engine.source.path, "parent": None,
-                                        "max_model_len": st.engine.max_model_len}]}
+    eng = st.engine
+    base = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": eng.source.path,
+            "parent": None, "max_model_len": eng.max_model_len}
+    adapters = [] if eng.loras is None else await st.aengine.call(
+        lambda: [(name, e.path) for name, e in eng.loras.by_name.items()])
+    return {"object": "list", "data": [base] + [base | {"id": name, "root": path, "parent": st.model_name}
+                                                for name, path in adapters]}
+
+
+# ---------------------------------------------------------------- LoRA adapters at run time (vLLM's routes)
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
+    """Load a PEFT adapter folder under a name requests can then give as `model`. 400 naming the field
+    when the server runs without --enable-lora, the name is taken or the folder does not fit the model."""
+    st = _state(http)
+    if st.engine.loras is None:
+        raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
+    if body.lora_name == st.model_name:
+        raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is the served model's name")
+    try:
+        await st.aengine.call(lambda: st.engine.add_lora(body.lora_name, body.lora_path))
+    except ValueError as e:
+        msg = str(e)
+        raise RequestError(msg.split(":", 1)[0] if msg.startswith(("lora_name:", "lora_path:")) else "lora_path",
+                           msg) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, http: Request):
+    """Unload an adapter: later requests naming it get a 404; those in flight finish with it."""
+    st = _state(http)
+    if st.engine.loras is None:
+        raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
+    if not await st.aengine.call(lambda: st.engine.remove_lora(body.lora_name)):
+        raise RequestError("lora_name", f"lora_name: no LoRA adapter named {body.lora_name!r} is loaded", 404,
+                           "NotFoundError")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @router.get("/metrics")

@@ -23,6 +23,7 @@ from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded
+from pagedserve.model.lora import LoRABatch
 from pagedserve.model.quant import PackedWeight, measure_crossover
 from pagedserve.model.rope import rope_tables
 
@@ -98,6 +99,7 @@ class DecoderLayer(nn.Module):
         self.n_heads, self.n_kv, self.hd, self.eps = cfg.num_heads // n, cfg.num_kv_heads // n, hd, cfg.rms_norm_eps
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
         self.window, self.softcap, self.residual_scale = cfg.window(index), cfg.attn_softcap, cfg.residual_scale
+        self.index = index
         self.act = ACTIVATIONS[cfg.mlp_act]
         self.attn_norm = nn.Parameter(torch.empty(h))
         self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
@@ -122,11 +124,13 @@ class DecoderLayer(nn.Module):
                 and self.q_norm is None and self.post_attn_norm is None and self.post_mlp_norm is None
                 and self.softcap is None and self.moe is None and self.act is F.silu and self.hd <= 256)
 
-    def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters (model/lora.py), added to each adapted product's output."""
         if self.ops is not None:
-            return self._forward_native(x, rope, kv, md)
-        T, tr, nh = x.shape[0], self.transposed, self.n_heads
-        qkv = linear(rms_norm(x, self.attn_norm, self.eps), self.qkv_proj.weight, self.qkv_proj.bias, tr)
+            return self._forward_native(x, rope, kv, md, lora)
+        T, tr, nh, i = x.shape[0], self.transposed, self.n_heads, self.index
+        h = rms_norm(x, self.attn_norm, self.eps)
+        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr), h, i, "qkv")
         n_qk = nh + self.n_kv
         qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
         if self.q_norm is not None:
@@ -136,37 +140,43 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
         write_kv(kv, k, v, md.slot_mapping)
-        o = paged_attention(q, kv, md, self.scale, self.window, self.softcap)
-        x = self._add(x, self.tp.all_reduce(linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias, tr)),
-                      self.post_attn_norm)
+        o = paged_attention(q, kv, md, self.scale, self.window, self.softcap).reshape(T, -1)
+        x = self._add(x, self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr), o, i,
+                                                     "o")), self.post_attn_norm)
         h = rms_norm(x, self.mlp_norm, self.eps)
         if self.moe is not None:
             return self._add(x, self.moe(h), self.post_mlp_norm)
-        gate, up = linear(h, self.gate_up_proj.weight, None, tr).chunk(2, dim=-1)
-        return self._add(x, self.tp.all_reduce(linear(self.act(gate) * up, self.down_proj.weight, None, tr)),
-                         self.post_mlp_norm)
+        gate, up = _adapted(lora, linear(h, self.gate_up_proj.weight, None, tr), h, i, "gate_up").chunk(2, dim=-1)
+        a = self.act(gate) * up
+        return self._add(x, self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr), a, i,
+                                                        "down")), self.post_mlp_norm)
 
-    def _forward_native(self, x, rope, kv: LayerKV, md: AttentionMetadata) -> torch.Tensor:
+    def _forward_native(self, x, rope, kv: LayerKV, md: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
         """forward() with the work between the products in one native call each (kernels/layer_ops.c):
         the same float32 arithmetic, ~6 calls a layer where torch dispatches ~25 ops."""
-        T, tr, ops = x.shape[0], self.transposed, self.ops
+        T, tr, ops, i = x.shape[0], self.transposed, self.ops, self.index
         x = x.contiguous()
         _, h = kernels.add_rms_norm(x, self.attn_norm, self.eps, lib=ops)
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr)
+        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr), h, i, "qkv")
         q = kernels.rope_kv(qkv, *(rope or (None, None)), kv.k, kv.v, kv.k_scale, kv.v_scale, md.slot_mapping,
                             self.n_heads, self.n_kv, self.hd, lib=ops)
-        o = paged_attention(q, kv, md, self.scale, self.window)
-        y = self.tp.all_reduce(linear(o.view(T, -1), self.o_proj.weight, self.o_proj.bias, tr)).contiguous()
+        o = paged_attention(q, kv, md, self.scale, self.window).view(T, -1)
+        y = self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr), o, i, "o")).contiguous()
         x, h = kernels.add_rms_norm(x, self.mlp_norm, self.eps, y if self.residual_scale == 1.0 else
                                     y * self.residual_scale, lib=ops)
-        d = self.tp.all_reduce(linear(kernels.silu_mul(linear(h, self.gate_up_proj.weight, None, tr), lib=ops),
-                                      self.down_proj.weight, None, tr))
+        a = kernels.silu_mul(_adapted(lora, linear(h, self.gate_up_proj.weight, None, tr), h, i, "gate_up"), lib=ops)
+        d = self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr), a, i, "down"))
         return x.add_(d if self.residual_scale == 1.0 else d * self.residual_scale)
 
     def _add(self, x: torch.Tensor, branch: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         if post_norm is not None:
             branch = rms_norm(branch, post_norm, self.eps)
         return x + (branch if self.residual_scale == 1.0 else branch * self.residual_scale)
+
+
+def _adapted(lora: LoRABatch | None, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
+    """A product's output y = x @ W.T with the step's LoRA deltas added (none: y itself)."""
+    return y if lora is None else lora.add(y, x, layer, product)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,9 +211,9 @@ class LlamaForCausalLM(nn.Module):
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
-                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+                md: AttentionMetadata | list[AttentionMetadata], lora: LoRABatch | None = None) -> torch.Tensor:
         """md: one for every layer, or one per layer (layers in different KV groups read different block
-        tables: core/kv_layout.py)."""
+        tables: core/kv_layout.py). lora: the step's LoRA adapters by row (model/lora.py), or None."""
         mds = md if isinstance(md, list) else itertools.repeat(md)
         x = self.embed(input_ids)                                          # (T, hidden)
         if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
@@ -211,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
         ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
         for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
-            x = layer(x, None if key is None else ropes[key], kv, layer_md)
+            x = layer(x, None if key is None else ropes[key], kv, layer_md, lora)
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

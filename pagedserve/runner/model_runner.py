@@ -18,6 +18,7 @@ from pagedserve import kernels
 from pagedserve.errors import EngineDeadError
 from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.lora import LoRABatch, LoRASlots, LoRAWeights
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
 
 
@@ -59,6 +60,17 @@ class ModelRunner:
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
         self.native_prefill = self.use_native and kernels.native_prefill_pays()
+        self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
+
+    # ------------------------------------------------------------ LoRA adapters
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        self.lora = LoRASlots(self.model.cfg, max_loras, max_rank, self.dtype, self.device)
+
+    def add_lora(self, lora_id: int, weights: LoRAWeights) -> None:
+        self.lora.add(lora_id, weights)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.lora.remove(lora_id)
 
     def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.model.cfg
@@ -90,7 +102,7 @@ class ModelRunner:
     # ------------------------------------------------------------ inputs
     def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                     list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]],
-                                                    list[tuple[str, int, int]]]:
+                                                    list[tuple[str, int, int]], LoRABatch | None]:
         """Decode rows first (the scheduler lists them first), then prefill chunks. The attention
         metadata: one for every layer, or with several groups of layers (KVLayout) one per layer
         (each group's slots and block tables differ; everything else is shared)."""
@@ -107,12 +119,14 @@ class ModelRunner:
         sample_rows: list[SamplingRow] = []
         prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
         pool_rows: list[tuple[str, int, int]] = []                     # (request id, first hidden row, rows)
+        row_loras: list[int] = []                                      # each row's adapter (0: none)
         for s in so.seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
             ctx = start + n
             ids.extend(s.token_ids)
             pos.extend(range(start, ctx))
+            row_loras.extend([s.lora_id] * n)
             decode = s.is_decode       # with drafts: one decode row per token, each seeing one position more
             for g, blocks in enumerate(s.block_tables):
                 slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
@@ -148,8 +162,9 @@ class ModelRunner:
                                  _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
                                  native=self.use_native, native_prefill=self.native_prefill) for g in range(G)]
         md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
+        lora = self.lora.batch(row_loras) if self.lora is not None else None
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
-                prompt_rows, pool_rows)
+                prompt_rows, pool_rows, lora)
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -159,14 +174,14 @@ class ModelRunner:
         if not so.seqs:
             return out
         t0 = time.perf_counter()
-        input_ids, positions, md, rows, sample_rows, prompt_rows, pool_rows = self.prepare(so)
+        input_ids, positions, md, rows, sample_rows, prompt_rows, pool_rows, lora = self.prepare(so)
         dev = self.device
         if dev.type != "cpu":
             input_ids, positions = input_ids.to(dev), positions.to(dev)
             md = _to_device(md, dev) if isinstance(md, AttentionMetadata) else _to_device_per_layer(md, dev)
         t1 = time.perf_counter()
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, md)
+            hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
             for rid, first, count in pool_rows:      # embeddings: the final-normed hidden states, summed
                 h = self.model.final_norm(hidden[first:first + count]).float()

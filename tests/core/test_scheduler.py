@@ -134,3 +134,41 @@ def test_chunked_prefill_disabled_rejects_long_prompt():
     s = sched(enable_chunked_prefill=False, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         s.add_request(mk("a", 9))
+
+
+@pytest.mark.parametrize("classes", [None, [{"name": "only", "priority": 0}]])
+def test_max_loras_passes_over_requests_of_a_third_adapter(classes):
+    """max_loras 2: a request of a third adapter waits (saying why) while later requests of running
+    adapters and of the base model pass it; it runs once an adapter's last sequence finishes. Its
+    prefix hashes differ from the base model's for the same tokens."""
+    from pagedserve.core.traffic import TrafficClasses
+    s = Scheduler(SchedulerConfig(max_loras=2), KVCacheManager(64, 4, True))
+    s.classes = TrafficClasses.parse(classes) if classes else None
+    reqs = [mk("a", 4), mk("b", 4), mk("c", 4), mk("a2", 4), mk("base", 4)]
+    for r, lora in zip(reqs, (1, 2, 3, 1, 0)):
+        r.lora_id = lora
+        s.add_request(r)
+    so = s.schedule()
+    assert [q.request_id for q in so.seqs] == ["a", "b", "a2", "base"]
+    assert [q.lora_id for q in so.seqs] == [1, 2, 1, 0]
+    assert [r.request_id for _, r in s.waiting] == ["c"]
+    assert s.waiting_reason(reqs[2]) == "max_loras (2) other LoRA adapters are running"
+    fake_step(s, so)
+    s.finish(reqs[1], RequestStatus.FINISHED_STOPPED)          # adapter 2's only sequence
+    so = s.schedule()
+    assert "c" in [q.request_id for q in so.seqs]
+    a, a2, base = reqs[0], reqs[3], reqs[4]       # the same tokens
+    assert a.block_hashes[0] == a2.block_hashes[0] != base.block_hashes[0]
+
+
+def test_lora_requests_do_not_share_prefix_blocks():
+    kv = KVCacheManager(64, 4, True)
+    a, b, c = mk("a", 8), mk("b", 8), mk("c", 8)
+    b.lora_id = c.lora_id = 7
+    for r in (a, b, c):
+        computed, hit = kv.get_computed_blocks(r)
+        assert kv.allocate_slots(r, 8 - hit, computed)
+        r.num_computed_tokens = 8
+        kv._cache_full_blocks(r, 8)
+        r.num_cached_tokens = hit
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 4)
