@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, sse, state, submit,
-                                              traffic_class, usage_of)
+from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, model_name, sse, state,
+                                              submit, traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -51,7 +51,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, top or 0, mode, len(ids)), streams)
     out, = await collect(http, streams)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model_name(st, body.model),
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
             "usage": usage_of([out])}
 
@@ -82,7 +82,7 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCo
     every = body.stream_options is not None and body.stream_options.usage_in_every_chunk()
 
     def wrap(choices):
-        chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+        chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name(st, body.model),
                  "choices": choices}
         return chunk | {"usage": usage.body()} if every else chunk
 

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, sse, state,
-                                              submit, traffic_class, usage_of)
+from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, model_name, sse,
+                                              state, submit, traffic_class, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 
@@ -48,7 +48,7 @@ async def completions(body: CompletionRequest, http: Request):
     outs = await collect(http, streams)
     choices = [_choice(st, body, p, out, o, i * body.n + o.index, echo_only, echo=body.echo)
                for i, (p, out) in enumerate(zip(prompts, outs)) for o in out.outputs]
-    return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+    return {"id": rid, "object": "text_completion", "created": created, "model": model_name(st, body.model),
             "choices": choices, "usage": usage_of(outs, count_completion=not echo_only)}
 
 
@@ -106,7 +106,7 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: Comple
     every = body.stream_options is not None and body.stream_options.usage_in_every_chunk()
 
     def wrap(choices):
-        chunk = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name(st, body.model),
                  "choices": choices}
         return chunk | {"usage": usage.body(count_completion=not echo_only)} if every else chunk
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pagedserve.entrypoints.completions import tokenize_prompts
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.protocol import EmbeddingRequest
-from pagedserve.entrypoints.responses import collect, state, submit, traffic_class
+from pagedserve.entrypoints.responses import collect, model_name, state, submit, traffic_class
 from pagedserve.errors import ParamError
 from pagedserve.sampling_params import PoolingParams
 
@@ -38,5 +38,5 @@ async def embeddings(body: EmbeddingRequest, http: Request):
             vec = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vec})
     n = sum(len(o.prompt_token_ids) for o in outs)
-    return {"object": "list", "id": rid, "model": st.model_name, "data": data,
+    return {"object": "list", "id": rid, "model": model_name(st, body.model), "data": data,
             "usage": {"prompt_tokens": n, "total_tokens": n}}

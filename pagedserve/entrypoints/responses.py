@@ -52,6 +52,11 @@ def lora_of(st: ServerState, model: str | None) -> LoRARequest | None:
     return LoRARequest(model)
 
 
+def model_name(st: ServerState, model: str | None) -> str:
+    """The `model` a response names: the LoRA adapter the request ran with, else the served model."""
+    return st.model_name if lora_of(st, model) is None else model
+
+
 async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,
                  stream: bool, klass: str | None = None, model: str | None = None) -> list[RequestStream]:
     """One engine request per prompt (ids rid, or rid-0, rid-1, ...), all handed to the engine at once

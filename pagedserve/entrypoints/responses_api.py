@@ -27,7 +27,7 @@ from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, NamedFunction,
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
                                              to_sampling_params)
-from pagedserve.entrypoints.responses import Usage, collect, deltas, sse, state, submit, traffic_class
+from pagedserve.entrypoints.responses import Usage, collect, deltas, model_name, sse, state, submit, traffic_class
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -244,7 +244,7 @@ def _shell(st: ServerState, body: ResponsesRequest, rid: str, created: int) -> d
     """The response object without its output (what `response.created` carries)."""
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format \
         else {"type": "text"}
-    return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": st.model_name,
+    return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": model_name(st, body.model),
             "output": [], "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],

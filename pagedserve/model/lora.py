@@ -10,8 +10,9 @@ another (model/llama.py); an adapter's q, k and v pairs are each a part of it.
     xa = (x @ A.T) * mask;   y[:, part] += xa[:, part] @ B[part]   (each part: q, k, v / gate, up)
 
 mask (rows, slots x max_rank) being 1 where a column belongs to the row's own slot: a few small GEMMs
-per product whatever the number of adapters in the step (vLLM's punica kernels do the same job with a
-gather); other slots and padding ranks add exact zeros. Base-only steps skip it all."""
+per product for all decode rows whatever the number of adapters in the step (vLLM's punica kernels do
+the same job with a gather); other slots and padding ranks add exact zeros. Prefill rows, many per
+sequence, run in runs of one adapter, each multiplied by its own slot only. Base-only steps skip it all."""
 from __future__ import annotations
 
 import json
@@ -194,9 +195,10 @@ class LoRASlots:
                 a[rows.start:rows.start + r] = p.a.to(self.dtype)
                 bs[part][rows.start - part * self.max_loras * self.max_rank:][:r] = b.t().to(self.dtype)
 
-    def batch(self, row_ids: list[int]) -> LoRABatch | None:
-        """What a step's rows (their lora id each, 0 for the base model) read; None when none is adapted.
-        Adapters not in a slot take the least recently used slot that no row of this step needs."""
+    def batch(self, row_ids: list[int], num_decode_rows: int) -> LoRABatch | None:
+        """What a step's rows (their lora id each, 0 for the base model; decode rows first, then prefill
+        rows, those of one adapter adjacent) read; None when none is adapted. Adapters not in a slot take
+        the least recently used slot that no row of this step needs."""
         used = set(row_ids) - {0}
         if not used:
             return None
@@ -215,18 +217,32 @@ class LoRASlots:
                 slot = self.slot_of.pop(victim)
             self._load(lora_id, slot)
             self.slot_of[lora_id] = slot
-        slots = torch.tensor([self.slot_of[i] if i else -1 for i in row_ids], device=self._device)
-        return LoRABatch(self, slots)
+        d = num_decode_rows
+        decode = [self.slot_of[i] if i else -1 for i in row_ids[:d]]
+        segments, start = [], d                     # prefill rows: (first, end, slot) per run of one adapter
+        for r in range(d + 1, len(row_ids) + 1):
+            if r == len(row_ids) or row_ids[r] != row_ids[start]:
+                if row_ids[start]:
+                    segments.append((start, r, self.slot_of[row_ids[start]]))
+                start = r
+        return LoRABatch(self, decode if any(s >= 0 for s in decode) else [], segments)
 
 
 class LoRABatch:
-    """One step's view of the slots: `add` puts each row's adapter delta on a product's output."""
+    """One step's view of the slots: `add` puts each row's adapter delta on a product's output. Decode
+    rows (a few per adapter) are masked: one A product over every slot for all of them, each row keeping
+    its own slot's columns; prefill rows come in runs of one adapter, each multiplied by its own slot
+    only (a prompt chunk's many rows would otherwise pay every slot's arithmetic)."""
 
-    def __init__(self, slots: LoRASlots, row_slot: torch.Tensor):
-        self.slots, self.row_slot = slots, row_slot
-        cols = torch.arange(slots.max_loras * slots.max_rank, device=row_slot.device) // slots.max_rank
-        self._mask = (cols[None, :] == row_slot[:, None]).to(slots.dtype)     # (rows, slots x max_rank)
-        self._masks: dict[int, torch.Tensor] = {1: self._mask}
+    def __init__(self, slots: LoRASlots, decode_slots: list[int], segments: list[tuple[int, int, int]]):
+        self.slots, self.segments, self.num_decode = slots, segments, len(decode_slots)
+        self._masks: dict[int, torch.Tensor] = {}
+        # decode rows read slots 0..m-1 only (slots are taken lowest first: a step of one adapter reads one)
+        self.num_slots = max(decode_slots, default=-1) + 1
+        if decode_slots:
+            row_slot = torch.tensor(decode_slots, device=slots._device)
+            cols = torch.arange(self.num_slots * slots.max_rank, device=row_slot.device) // slots.max_rank
+            self._masks[1] = (cols[None, :] == row_slot[:, None]).to(slots.dtype)   # (rows, m x max_rank)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
         """y (rows, out) += each row's adapter delta of x (rows, in) for this layer's product; in place."""
@@ -234,15 +250,27 @@ class LoRABatch:
         if ab is None:
             return y
         a, bs = ab
-        parts = len(bs)
-        mask = self._masks.get(parts)
-        if mask is None:
-            mask = self._masks[parts] = self._mask.repeat(1, parts)
-        xa = F.linear(x, a).mul_(mask)                   # (rows, parts x slots x max_rank)
-        if parts == 1:
-            return y.addmm_(xa, bs[0])
-        n, col = self.slots.max_loras * self.slots.max_rank, 0
-        for p, b in enumerate(bs):
-            y[:, col:col + b.shape[1]].addmm_(xa[:, p * n:(p + 1) * n], b)
-            col += b.shape[1]
+        parts, R, n = len(bs), self.slots.max_rank, self.slots.max_loras * self.slots.max_rank
+        if self.num_decode and self.num_slots == self.slots.max_loras:    # one product for every part's A
+            d = self.num_decode
+            mask = self._masks.get(parts)
+            if mask is None:
+                mask = self._masks[parts] = self._masks[1].repeat(1, parts)
+            xa = F.linear(x[:d], a).mul_(mask)                  # (rows, parts x slots x max_rank)
+            col = 0
+            for p, b in enumerate(bs):
+                y[:d, col:col + b.shape[1]].addmm_(xa[:, p * n:(p + 1) * n], b)
+                col += b.shape[1]
+        elif self.num_decode:                                    # the first m slots of each part
+            d, m, col = self.num_decode, self.num_slots * R, 0
+            for p, b in enumerate(bs):
+                xa = F.linear(x[:d], a[p * n:p * n + m]).mul_(self._masks[1])
+                y[:d, col:col + b.shape[1]].addmm_(xa, b[:m])
+                col += b.shape[1]
+        for first, end, slot in self.segments:
+            col = 0
+            for p, b in enumerate(bs):
+                rows = slice((p * self.slots.max_loras + slot) * R, (p * self.slots.max_loras + slot + 1) * R)
+                y[first:end, col:col + b.shape[1]].addmm_(F.linear(x[first:end], a[rows]), b[slot * R:(slot + 1) * R])
+                col += b.shape[1]
         return y

@@ -22,6 +22,9 @@ from pagedserve.model.lora import LoRABatch, LoRASlots, LoRAWeights
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
 
 
+PROMPT_LOGPROBS_ROWS = 32       # prompt rows whose logits exist at once (49k vocabulary: 6 MiB)
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)   # request id -> samples (n on a fork)
@@ -120,7 +123,10 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
         pool_rows: list[tuple[str, int, int]] = []                     # (request id, first hidden row, rows)
         row_loras: list[int] = []                                      # each row's adapter (0: none)
-        for s in so.seqs:
+        seqs = so.seqs
+        if self.lora is not None:      # prefill chunks of one adapter adjacent (LoRABatch multiplies runs)
+            seqs = sorted(seqs, key=lambda s: (not s.is_decode, s.lora_id))
+        for s in seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
             ctx = start + n
@@ -162,9 +168,33 @@ class ModelRunner:
                                  _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
                                  native=self.use_native, native_prefill=self.native_prefill) for g in range(G)]
         md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
-        lora = self.lora.batch(row_loras) if self.lora is not None else None
+        lora = self.lora.batch(row_loras, len(dec_lens)) if self.lora is not None else None
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
                 prompt_rows, pool_rows, lora)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int], prompt_rows) -> dict[str, list[dict[int, Logprob]]]:
+        """Each prompt row's logprob of the prompt token that follows it, with its rank and the top k.
+        The LM head and the softmax run PROMPT_LOGPROBS_ROWS rows at a time: a step's transient memory
+        stays the same whatever the prompt's length (a 2,000-token prompt's logits at once would be 375
+        MiB with a 49k vocabulary, and each new prompt length a new high-water mark for the allocator).
+        Under tensor parallelism every rank runs the same chunks (the LM head gathers across ranks)."""
+        owner = [(rid, t, plp.k) for rid, _, plp in prompt_rows for t in plp.targets]   # per row, as `rows`
+        out: dict[str, list[dict[int, Logprob]]] = {}
+        for c in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            idx = torch.tensor(rows[c:c + PROMPT_LOGPROBS_ROWS], dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden[idx])
+            if logits is None:                          # a tensor-parallel rank > 0
+                continue
+            lp = torch.log_softmax(logits.cpu().float(), dim=-1)
+            part = owner[c:c + PROMPT_LOGPROBS_ROWS]
+            i = 0
+            while i < len(part):                        # the chunk's rows of each request, in order
+                j = i
+                while j < len(part) and part[j][0] == part[i][0]:
+                    j += 1
+                out.setdefault(part[i][0], []).extend(logprobs_of(lp[i:j], [t for _, t, _ in part[i:j]], part[i][2]))
+                i = j
+        return out
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -182,7 +212,11 @@ class ModelRunner:
         t1 = time.perf_counter()
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+            n = len(sample_rows)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[:n], dtype=torch.long, device=dev)]) \
+                if n else None
+            if prompt_rows:
+                out.prompt_logprobs = self._prompt_logprobs(hidden, rows[n:], prompt_rows)
             for rid, first, count in pool_rows:      # embeddings: the final-normed hidden states, summed
                 h = self.model.final_norm(hidden[first:first + count]).float()
                 out.pooled[rid] = (h.sum(0).cpu(), count)
@@ -195,9 +229,6 @@ class ModelRunner:
         t2 = time.perf_counter()
         if logits is not None:
             logits = logits.cpu()
-            if prompt_rows:
-                out.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows):], prompt_rows)
-                logits = logits[:len(sample_rows)]
             drafts = {s.request_id: s.draft for s in so.seqs if s.num_draft}
             samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows), keep_states=drafts) \
                 if sample_rows else []
@@ -220,16 +251,6 @@ def _draft_rows(row: SamplingRow, draft: tuple[int, ...]) -> list[SamplingRow]:
     return rows
 
 
-def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> dict[str, list[dict[int, Logprob]]]:
-    """Each prompt row's logprob of the prompt token that follows it, with its rank and the top k."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    targets = [t for _, _, plp in prompt_rows for t in plp.targets]
-    out, i = {}, 0
-    for rid, _, plp in prompt_rows:
-        n = len(plp.targets)
-        out[rid] = logprobs_of(lp[i:i + n], targets[i:i + n], plp.k)
-        i += n
-    return out
 
 
 def _grammar_masks(so: SchedulerOutput, sample_rows: list[SamplingRow]) -> tuple[list[int], np.ndarray] | None:

@@ -208,6 +208,8 @@ def test_served_adapters_with_the_openai_sdk(llama):
         assert ids == ["base", "A"]
         r = client.completions.create(model="A", prompt=prompt, max_tokens=8, temperature=0, extra_body=GO_ON)
         assert r.usage.completion_tokens == 8 and r.choices[0].text == eng.tokenizer.decode(offline["A"])
+        assert r.model == "A"            # the adapter's name, as vLLM answers
+        assert client.completions.create(model="base", prompt=prompt, max_tokens=2).model == "base"
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model="B", prompt=prompt, max_tokens=4)
         assert e.value.body["param"] == "model" and "'B'" in e.value.body["message"]
@@ -220,7 +222,7 @@ def test_served_adapters_with_the_openai_sdk(llama):
         out = client.completions.create(model="B", prompt=prompt, max_tokens=8, temperature=0, extra_body=GO_ON)
         assert out.choices[0].text == eng.tokenizer.decode(offline["B"])
         chat = client.chat.completions.create(model="B", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert chat.choices[0].finish_reason == "length"
+        assert chat.choices[0].finish_reason == "length" and chat.model == "B"
         # unloading while a stream of B runs: the stream finishes; B's later requests are 404s
         stream = client.completions.create(model="B", prompt=prompt, max_tokens=40, temperature=0, stream=True,
                                            extra_body=GO_ON)
@@ -249,3 +251,40 @@ def test_cli_flags_are_vllms(llama):
     assert args.enable_lora and args.max_loras == 2 and args.max_lora_rank == 16
     from pagedserve.lora_request import parse_lora_modules
     assert parse_lora_modules(args.lora_modules) == {"A": str(d / "A"), "B": str(d / "B")}
+
+
+def test_masked_and_grouped_products_equal_each_rows_own_delta(llama):
+    """LoRABatch.add against the textbook formula row by row: decode rows (masked over the slots they
+    use) and prefill runs (each by its own slot), base rows untouched, every product of every layer."""
+    from pagedserve.model.loader import read_model_config, resolve_model
+    from pagedserve.model.lora import LoRASlots, read_adapter
+    d, _ = llama
+    cfg = read_model_config(resolve_model(str(d / "base")))
+    weights = {1: read_adapter(str(d / "A"), cfg, 16), 2: read_adapter(str(d / "B"), cfg, 16)}
+    slots = LoRASlots(cfg, 2, 16, torch.float32, "cpu")
+    for i, w in weights.items():
+        slots.add(i, w)
+    g = torch.Generator().manual_seed(0)
+    # decode rows of both adapters (every slot read), then prefill runs; then decode rows of adapter 1 only
+    # (its slot, the first, alone read)
+    for rows, num_decode in (([1, 0, 2, 2, 0, 0, 1, 1, 1, 2, 2, 0], 4), ([1, 0, 1, 2, 2], 3)):
+        _check_rows(slots, weights, cfg, rows, num_decode, g)
+
+
+def _check_rows(slots, weights, cfg, rows, num_decode, g):
+    from pagedserve.model.lora import product_shapes
+    with torch.inference_mode():
+        batch = slots.batch(rows, num_decode)
+        for layer in range(cfg.num_layers):
+            for product, (inp, outs) in product_shapes(cfg).items():
+                x = torch.randn(len(rows), inp, generator=g)
+                y0 = torch.randn(len(rows), sum(outs), generator=g)
+                want = y0.clone()
+                for r, lid in enumerate(rows):
+                    for p in (q for q in (weights[lid].parts if lid else ())
+                              if (q.layer, q.product) == (layer, product)):
+                        first = sum(outs[:p.part]) if p.part is not None else 0
+                        delta = (x[r] @ p.a.T) @ p.b.T
+                        want[r, first:first + delta.shape[0]] += delta
+                got = batch.add(y0.clone(), x, layer, product)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
