@@ -6,6 +6,10 @@ falls on both; prefix caching off, so every run computes every prompt. The adapt
 PEFT's file layout for the loaded model's shapes.
 
     python bench/lora.py --workload mixed16 --rank 16 --reps 2 [--targets all|qv]
+
+--churn N instead loads an adapter, runs one request with it and unloads it, N times (a new name and folder
+each time, as a server taking adapters at run time would), and prints the process's RSS every N/10 cycles:
+adapter weights and slots must not accumulate.
 """
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--churn", type=int, default=0, help="load / use / unload cycles instead of the throughput runs")
     a = ap.parse_args()
     from pagedserve import LLM, SamplingParams
     from pagedserve.host import describe
@@ -92,6 +97,8 @@ def main():
     for i, n in enumerate(names):
         eng.add_lora(n, write_adapter(os.path.join(tmp, n), eng.model_config, a.rank, i, a.targets))
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    if a.churn:
+        return churn(llm, tmp, a)
     mixed = [None if i % 5 == 0 else names[i % 5 - 1] for i in range(len(reqs))]
     results = {"base": [], "mixed": []}
     for rep in range(a.reps):
@@ -106,6 +113,34 @@ def main():
     m = sum(r["output_tok_s"] for r in results["mixed"]) / a.reps
     print(f"RATIO mixed (4 adapters of rank {a.rank} on {a.targets} + base) / base alone: {m / b:.3f}x output tok/s "
           f"(cost {100 * (1 - m / b):.1f} %)")
+
+
+def churn(llm, tmp: str, a) -> None:
+    """Load, use and unload a fresh adapter `a.churn` times beside the 4 loaded ones; RSS as it goes."""
+    from pagedserve import LoRARequest, SamplingParams
+    eng = llm.engine
+    paths = [write_adapter(os.path.join(tmp, f"churn{i}"), eng.model_config, a.rank, 100 + i, a.targets)
+             for i in range(2)]                      # two folders, alternated: the registry sees new names
+    rss = []
+    for i in range(a.churn + 1):
+        if i % max(1, a.churn // 10) == 0:
+            rss.append((i, round(rss_mib(), 1)))
+            print(f"cycle {i}: RSS {rss[-1][1]} MiB, loaded {len(eng.loras)}, slots held "
+                  f"{len(eng.runner.lora.adapters)}", flush=True)
+        if i == a.churn:
+            break
+        name = f"churn-{i}"
+        eng.add_lora(name, paths[i % 2])
+        llm.generate({"prompt_token_ids": list(range(200, 264))}, SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False, lora_request=LoRARequest(name))
+        assert eng.remove_lora(name)
+    print("RESULT " + json.dumps({"churn": a.churn, "rss_mib": rss, "rank": a.rank, "targets": a.targets,
+                                  "held": eng.held(), "adapters_in_memory": len(eng.runner.lora.adapters)}))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 if __name__ == "__main__":
