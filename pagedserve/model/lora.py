@@ -72,8 +72,14 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_
     conf_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(conf_path):
         raise ValueError(f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
-    with open(conf_path) as f:
-        conf = json.load(f)
+    try:
+        with open(conf_path) as f:
+            conf = json.load(f)
+        if not isinstance(conf, dict):
+            raise ValueError("not a JSON object")
+        alpha, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{field}: {path!r}: adapter_config.json cannot be read ({e})") from None
     if conf.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{field}: {path!r} is a {conf.get('peft_type')} adapter; only LORA is supported")
     for key, what in _REFUSED_CONFIG.items():
@@ -86,12 +92,14 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_
         raise ValueError(f"{field}: {path!r} has no adapter_model.safetensors")
     # read whole, then parsed: safetensors 0.8's safe_open (load_file) keeps ~55 bytes of Python objects per
     # tensor per file opened, 23 KB for each adapter loaded at run time (bench/lora.py --churn)
-    with open(weights_path, "rb") as f:
-        tensors = load(f.read())
-    alpha, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
+    try:
+        with open(weights_path, "rb") as f:
+            tensors = load(f.read())
+    except Exception as e:                                  # safetensors' own error type for a bad file
+        raise ValueError(f"{field}: {path!r}: adapter_model.safetensors cannot be read ({e})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}                  # the module's name in the model (for alpha_pattern)
-    for key, t in tensors.items():
+    for key, t in sorted(tensors.items()):          # (a stable order: the first bad key is named)
         m = _KEY.search(key)
         if m is not None and m.group(2) == "experts":
             raise ValueError(f"{field}: {path!r} adapts {key!r}: adapters of mixture-of-experts layers are not "

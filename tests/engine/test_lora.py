@@ -153,6 +153,15 @@ def test_bad_adapters_are_refused_naming_the_field(llama, tmp_path, tokenizer):
         LLM(base, enable_lora=True, lora_modules={"emb": str(emb)}, dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="lora_modules: .*not a PEFT adapter folder"):
         LLM(base, enable_lora=True, lora_modules=[f"x={tmp_path}"], dtype="float32", num_kv_blocks=64)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"r": 8, "lora_alpha": "x"}')
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="lora_modules: .*adapter_config.json cannot be read"):
+        LLM(base, enable_lora=True, lora_modules=[f"x={broken}"], dtype="float32", num_kv_blocks=64)
+    (broken / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    with pytest.raises(ValueError, match="lora_modules: .*adapter_model.safetensors cannot be read"):
+        LLM(base, enable_lora=True, lora_modules=[f"x={broken}"], dtype="float32", num_kv_blocks=64)
     for bad, field in (({"lora_modules": ["noequals"]}, "lora_modules"), ({"lora_modules": ["a=/x"]}, "lora_modules"),
                        ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora"),
                        ({"enable_lora": True, "max_loras": 0}, "max_loras"),
@@ -183,7 +192,7 @@ def test_moe_experts_are_refused_attention_adapters_run(tmp_path, tokenizer):
     ref, lps = hf_greedy(merged, p, GREEDY.max_tokens)
     assert_greedy_match(out.outputs[0].token_ids, ref, lps)
     _adapter(hf, tmp_path / "mlp", ["gate_proj", "up_proj"], 4, 2)     # PEFT adapts the fused experts module
-    with pytest.raises(ValueError, match=r"lora_path: .*mlp\.experts\.lora_A.*mixture-of-experts layers are not"):
+    with pytest.raises(ValueError, match=r"lora_path: .*mlp\.experts\.lora_[AB].*mixture-of-experts layers are not"):
         llm.engine.add_lora("mlp", str(tmp_path / "mlp"))
 
 
@@ -217,8 +226,9 @@ def test_served_adapters_with_the_openai_sdk(llama):
         assert r.status_code == 200 and "B" in r.text
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "B", "lora_path": str(d / "B")})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": str(d)})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        for bad in (str(d), str(d / "base")):                # not an adapter folder; a model folder
+            r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
         out = client.completions.create(model="B", prompt=prompt, max_tokens=8, temperature=0, extra_body=GO_ON)
         assert out.choices[0].text == eng.tokenizer.decode(offline["B"])
         chat = client.chat.completions.create(model="B", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
