@@ -10,6 +10,8 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from pagedserve.errors import ParamError
+
 
 @dataclass(slots=True, frozen=True)
 class LoRARequest:
@@ -78,9 +80,9 @@ class LoRARegistry:
 
     def check_room(self, name: str) -> None:
         if name in self.by_name:
-            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+            raise ParamError("lora_name", f"lora_name: an adapter named {name!r} is already loaded")
         if len(self.by_name) >= self.capacity:
-            raise ValueError(f"lora_name: {len(self.by_name)} adapters are loaded, the most max_cpu_loras "
+            raise ParamError("lora_name", f"lora_name: {len(self.by_name)} adapters are loaded, the most max_cpu_loras "
                              f"({self.capacity}) allows; unload one first")
 
     def add(self, name: str, path: str, rank: int) -> LoRAEntry:

@@ -59,12 +59,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
         raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
     if body.lora_name == st.model_name:
         raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is the served model's name")
-    try:
-        await st.aengine.call(lambda: st.engine.add_lora(body.lora_name, body.lora_path))
-    except ValueError as e:
-        msg = str(e)
-        raise RequestError(msg.split(":", 1)[0] if msg.startswith(("lora_name:", "lora_path:")) else "lora_path",
-                           msg) from None
+    await st.aengine.call(lambda: st.engine.add_lora(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.errors import ParamError
 from pagedserve.model.config import ModelConfig
 
 # PEFT's module name -> (our product, part index within it; None: the checkpoint's module is fused as ours)
@@ -66,12 +67,12 @@ def product_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
 
 
 def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_path") -> LoRAWeights:
-    """A PEFT LoRA folder for this model, checked against it; ValueError naming what does not fit
-    (`field` names the path's parameter)."""
+    """A PEFT LoRA folder for this model, checked against it; a ParamError (a ValueError) naming the
+    path's parameter `field` and what does not fit."""
     from safetensors.torch import load
     conf_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(conf_path):
-        raise ValueError(f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
+        raise ParamError(field, f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
     try:
         with open(conf_path) as f:
             conf = json.load(f)
@@ -79,33 +80,33 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_
             raise ValueError("not a JSON object")
         alpha, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{field}: {path!r}: adapter_config.json cannot be read ({e})") from None
+        raise ParamError(field, f"{field}: {path!r}: adapter_config.json cannot be read ({e})") from None
     if conf.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{field}: {path!r} is a {conf.get('peft_type')} adapter; only LORA is supported")
+        raise ParamError(field, f"{field}: {path!r} is a {conf.get('peft_type')} adapter; only LORA is supported")
     for key, what in _REFUSED_CONFIG.items():
         if conf.get(key):
-            raise ValueError(f"{field}: {path!r} uses {what}, which is not supported")
+            raise ParamError(field, f"{field}: {path!r} uses {what}, which is not supported")
     if conf.get("bias", "none") != "none":
-        raise ValueError(f"{field}: {path!r} trains biases (bias={conf['bias']!r}), which is not supported")
+        raise ParamError(field, f"{field}: {path!r} trains biases (bias={conf['bias']!r}), which is not supported")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):
-        raise ValueError(f"{field}: {path!r} has no adapter_model.safetensors")
+        raise ParamError(field, f"{field}: {path!r} has no adapter_model.safetensors")
     # read whole, then parsed: safetensors 0.8's safe_open (load_file) keeps ~55 bytes of Python objects per
     # tensor per file opened, 23 KB for each adapter loaded at run time (bench/lora.py --churn)
     try:
         with open(weights_path, "rb") as f:
             tensors = load(f.read())
     except Exception as e:                                  # safetensors' own error type for a bad file
-        raise ValueError(f"{field}: {path!r}: adapter_model.safetensors cannot be read ({e})") from None
+        raise ParamError(field, f"{field}: {path!r}: adapter_model.safetensors cannot be read ({e})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}                  # the module's name in the model (for alpha_pattern)
     for key, t in sorted(tensors.items()):          # (a stable order: the first bad key is named)
         m = _KEY.search(key)
         if m is not None and m.group(2) == "experts":
-            raise ValueError(f"{field}: {path!r} adapts {key!r}: adapters of mixture-of-experts layers are not "
+            raise ParamError(field, f"{field}: {path!r} adapts {key!r}: adapters of mixture-of-experts layers are not "
                              "supported (adapt the attention projections only)")
         if m is None or m.group(2) not in _MODULES:
-            raise ValueError(f"{field}: {path!r} adapts {key!r}; supported: the attention and MLP projections "
+            raise ParamError(field, f"{field}: {path!r} adapts {key!r}; supported: the attention and MLP projections "
                              f"({', '.join(_MODULES)}) of each layer")
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
         names[int(m.group(1)), m.group(2)] = key[:key.rindex(".lora_")].removeprefix("base_model.model.")
@@ -114,12 +115,12 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_
     for (layer, module), ab in sorted(pairs.items()):
         where = f"{field}: {path!r}, layers.{layer}.{module}"
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: lora_A and lora_B must both be present")
+            raise ParamError(field, f"{where}: lora_A and lora_B must both be present")
         if layer >= cfg.num_layers:
-            raise ValueError(f"{where}: the model has {cfg.num_layers} layers")
+            raise ParamError(field, f"{where}: the model has {cfg.num_layers} layers")
         if cfg.is_moe and module in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") \
                 and layer not in cfg.dense_layers:
-            raise ValueError(f"{where}: the model's MLP in this layer is a mixture of experts; adapters of "
+            raise ParamError(field, f"{where}: the model's MLP in this layer is a mixture of experts; adapters of "
                              "experts are not supported")
         product, part = _MODULES[module]
         a, b = ab["A"].float(), ab["B"].float()
@@ -127,16 +128,16 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, field: str = "lora_
         inp, outs = shapes[product]
         out = sum(outs) if part is None else outs[part]
         if a.shape != (r, inp) or b.shape != (out, r):
-            raise ValueError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+            raise ParamError(field, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                              f"model's ({out}, {inp}) projection")
         if r > max_rank:
-            raise ValueError(f"{where}: rank {r} exceeds max_lora_rank ({max_rank})")
+            raise ParamError(field, f"{where}: rank {r} exceeds max_lora_rank ({max_rank})")
         a_mod = _pattern(conf.get("alpha_pattern"), names[layer, module], alpha)
         scale = a_mod / (math.sqrt(r) if rslora else r)
         parts.append(LoRAPart(layer, product, part, a.contiguous(), (b * scale).contiguous()))
         rank = max(rank, r)
     if not parts:
-        raise ValueError(f"{field}: {path!r} holds no LoRA weights")
+        raise ParamError(field, f"{field}: {path!r} holds no LoRA weights")
     return LoRAWeights(path, rank, parts)
 
 

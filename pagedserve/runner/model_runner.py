@@ -6,6 +6,7 @@ Under tensor parallelism every rank runs one: each holds its slice of the weight
 heads, with the same block ids; all run the same step record; only rank 0 gets logits and samples."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field, replace
 
@@ -122,17 +123,18 @@ class ModelRunner:
         sample_rows: list[SamplingRow] = []
         prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
         pool_rows: list[tuple[str, int, int]] = []                     # (request id, first hidden row, rows)
-        row_loras: list[int] = []                                      # each row's adapter (0: none)
+        row_loras: list[int] | None = None                            # with LoRA: each row's adapter (0: none)
         seqs = so.seqs
         if self.lora is not None:      # prefill chunks of one adapter adjacent (LoRABatch multiplies runs)
-            seqs = sorted(seqs, key=lambda s: (not s.is_decode, s.lora_id))
+            seqs, row_loras = sorted(seqs, key=lambda s: (not s.is_decode, s.lora_id)), []
         for s in seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
             ctx = start + n
             ids.extend(s.token_ids)
             pos.extend(range(start, ctx))
-            row_loras.extend([s.lora_id] * n)
+            if row_loras is not None:
+                row_loras.extend([s.lora_id] * n)
             decode = s.is_decode       # with drafts: one decode row per token, each seeing one position more
             for g, blocks in enumerate(s.block_tables):
                 slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
@@ -186,14 +188,11 @@ class ModelRunner:
             if logits is None:                          # a tensor-parallel rank > 0
                 continue
             lp = torch.log_softmax(logits.cpu().float(), dim=-1)
-            part = owner[c:c + PROMPT_LOGPROBS_ROWS]
             i = 0
-            while i < len(part):                        # the chunk's rows of each request, in order
-                j = i
-                while j < len(part) and part[j][0] == part[i][0]:
-                    j += 1
-                out.setdefault(part[i][0], []).extend(logprobs_of(lp[i:j], [t for _, t, _ in part[i:j]], part[i][2]))
-                i = j
+            for rid, same in itertools.groupby(owner[c:c + PROMPT_LOGPROBS_ROWS], key=lambda o: o[0]):
+                same = list(same)                       # the chunk's rows of one request, in order
+                out.setdefault(rid, []).extend(logprobs_of(lp[i:i + len(same)], [t for _, t, _ in same], same[0][2]))
+                i += len(same)
         return out
 
     # ------------------------------------------------------------ the step
