@@ -1,13 +1,15 @@
-"""Speculative decoding (n-gram prompt lookup), one stream: output tokens/s with and without it on an
+"""Speculative decoding (n-gram prompt lookup or a draft model), one stream: output tokens/s with and without it on an
 input-grounded workload (repeat, rewrite and extract from a given passage, a code edit) and a
 free-form chat workload, greedy, each request alone (one stream), in one run (ratios); acceptance
 rate, draft tokens and whether the greedy outputs are identical to decoding without drafts.
 
 Each configuration runs in its own process (its own start-up, the adaptive rule's measured step
-costs). A configuration is DTYPE:QUANT[:SPEC], SPEC one of off | adaptive | always (k = --k).
+costs). A configuration is DTYPE:QUANT[:SPEC], SPEC one of off | adaptive | always (n-gram, k = --k) |
+draft | draft-always (method draft_model with --draft: a model path, or a number N for the bundled
+model's first N layers written by bench/truncated_draft.py into a temporary folder).
 
 Usage: python bench/spec_decode.py [--configs auto:auto:off,auto:auto:adaptive,...] [--tokens 128]
-           [--k 4] [--workloads grounded,chat] [--json out.json]
+           [--k 4] [--workloads grounded,chat] [--draft 8] [--json out.json]
 """
 import argparse
 import json
@@ -54,11 +56,31 @@ def prompt_ids(texts):
     return [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in texts]
 
 
-def run(config: str, tokens: int, k: int, workloads: list[str]) -> dict:
+def draft_path(draft: str) -> str:
+    """--draft: a path, or layers of the bundled model (N: the first N; 0-7,24-29; 0-29/2), written once."""
+    if os.path.exists(draft):
+        return draft
+    import tempfile
+    from truncated_draft import parse_layers, truncate_gguf
+    from pagedserve.model.loader import default_model_path
+    path = os.path.join(tempfile.gettempdir(), "pagedserve-drafts", f"smollm2-{draft.replace('/', 'by')}.gguf")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        truncate_gguf(default_model_path(), path + ".part", parse_layers(draft))
+        os.replace(path + ".part", path)
+    return path
+
+
+def run(config: str, tokens: int, k: int, workloads: list[str], draft: str | None = None,
+        draft_quant: str | None = None) -> dict:
     from pagedserve import LLM, SamplingParams
     dtype, quant, spec = (config.split(":") + ["off"])[:3]
-    sc = None if spec == "off" else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
-                                     "adaptive": spec == "adaptive"}
+    if spec.startswith("draft"):
+        sc = {"model": draft_path(draft), "num_speculative_tokens": k, "adaptive": spec == "draft",
+              "quantization": draft_quant}
+    else:
+        sc = None if spec == "off" else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                                         "adaptive": spec == "adaptive"}
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=512, dtype=dtype, quantization=quant, speculative_config=sc)
     load_s = time.perf_counter() - t0
@@ -90,20 +112,24 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--draft", default="8", help="draft model for SPEC draft | draft-always: a path or N layers")
+    ap.add_argument("--draft-quantization", default=None, help="the draft's speculative_config quantization")
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     workloads = a.workloads.split(",")
     if a.child:
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
-        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads)), flush=True)
+        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads, a.draft, a.draft_quantization)), flush=True)
         return
     from pagedserve.host import describe
     print(f"host: {describe()}")
     results = []
     for c in a.configs.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", c, "--tokens", str(a.tokens), "--k", str(a.k),
-                            "--workloads", a.workloads], capture_output=True, text=True)
+                            "--workloads", a.workloads, "--draft", a.draft]
+                           + (["--draft-quantization", a.draft_quantization] if a.draft_quantization else []),
+                           capture_output=True, text=True)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if not line:
             print(p.stdout[-2000:], p.stderr[-4000:])
@@ -128,7 +154,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"host": describe(), "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens, "k": a.k,
-                       "results": results}, f)
+                       "draft": a.draft, "draft_quantization": a.draft_quantization, "results": results}, f)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num
            --baseline-dtypes float32,bfloat16   (one run per --dtype:--quantization; baselines per dtype)
        python bench/throughput.py --paths auto:auto,auto:auto:ngram,auto:auto --no-baselines
            (a third field: speculative decoding, ngram = adaptive n-gram drafting, ngram-always = always;
-           --spec-k draft tokens)
+           draft / draft-always = method draft_model with --draft PATH [--draft-quantization Q]; --spec-k
+           draft tokens)
 """
 import argparse
 import json
@@ -37,8 +38,10 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
               quantization=quantization,
-              speculative_config=None if not spec else {"method": "ngram", "num_speculative_tokens": args.spec_k,
-                                                        "adaptive": spec != "ngram-always"})
+              speculative_config=None if not spec else {"num_speculative_tokens": args.spec_k,
+                                                        "adaptive": not spec.endswith("-always")} | (
+                  {"method": "ngram"} if spec.startswith("ngram") else
+                  {"model": args.draft, "quantization": args.draft_quantization}))
     load_s = time.perf_counter() - t0
     eng = llm.engine
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -95,7 +98,9 @@ def main():
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: one pagedserve run each")
     ap.add_argument("--paths", default="auto:auto", help="comma-separated dtype:quantization[:ngram|ngram-always], "
                                                           "one run each")
-    ap.add_argument("--spec-k", type=int, default=4, help="num_speculative_tokens of a path with ngram")
+    ap.add_argument("--spec-k", type=int, default=4, help="num_speculative_tokens of a path with ngram or draft")
+    ap.add_argument("--draft", default=None, help="the draft model of a path with draft | draft-always")
+    ap.add_argument("--draft-quantization", default=None, help="its speculative_config quantization")
     ap.add_argument("--baselines", default="hf_cb.py,hf_static.py", help="comma-separated shared drivers")
     ap.add_argument("--baseline-dtypes", default="float32", help="comma-separated: each baseline once per dtype")
     a = ap.parse_args()

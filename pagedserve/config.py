@@ -9,8 +9,9 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
-SPEC_METHODS = ("ngram",)
-SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive")
+SPEC_METHODS = ("ngram", "draft_model")
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization",
+             "adaptive")
 MAX_SPEC_TOKENS = 16
 
 
@@ -18,8 +19,14 @@ MAX_SPEC_TOKENS = 16
 class SpeculativeConfig:
     """vLLM's speculative_config. method "ngram": the longest n-gram (prompt_lookup_max down to
     prompt_lookup_min tokens) that ends the sequence and occurred earlier in it proposes the tokens
-    that followed its latest earlier occurrence, up to num_speculative_tokens. adaptive (ours,
-    default true): each step drafts only the tokens whose expected acceptance pays for the rows they
+    that followed its latest earlier occurrence, up to num_speculative_tokens. method "draft_model"
+    (the default when `model` is given): `model` (a GGUF file, HF folder or Hub id of a smaller model
+    with the target's tokenizer) proposes its greedy tokens, for every drafting sequence in one batch,
+    from a KV cache of its own held in the target's block ids; `quantization` (vLLM's key) how its
+    weights are held (auto | none | gguf | int8; default: the target's --quantization rule; "auto"
+    here keeps a GGUF draft packed with a dense copy even beside a --dtype float32 target, whose
+    exact output it then speeds up: a draft need not be exact). adaptive (ours, default true): each step
+    drafts only the tokens whose expected acceptance pays for the rows (and draft-model passes) they
     add, from the step times measured at start-up (false: always draft up to num_speculative_tokens)."""
 
     method: str = "ngram"
@@ -27,6 +34,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive: bool = True
+    model: str | None = None
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -45,13 +54,26 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(SPEC_KEYS))
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(SPEC_KEYS)})")
-        method = value.get("method", "ngram")
-        if method == "draft_model" or "model" in value:
-            raise ValueError("speculative_config.method: 'draft_model' (a draft model) is not implemented; "
-                             f"supported: {', '.join(SPEC_METHODS)}")
+        method = value.get("method", "draft_model" if "model" in value else "ngram")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method: unknown method {method!r} (supported: "
                              f"{', '.join(SPEC_METHODS)})")
+        model = value.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model.strip():
+                raise ValueError("speculative_config.model: method 'draft_model' needs the draft model's path or Hub "
+                                 f"id, got {model!r}")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if key in value:
+                    raise ValueError(f"speculative_config.{key} applies to method 'ngram', not 'draft_model'")
+        else:
+            for key in ("model", "quantization"):
+                if key in value:
+                    raise ValueError(f"speculative_config.{key} applies to method 'draft_model', not {method!r}")
+        quantization = value.get("quantization")
+        if quantization is not None and quantization not in ("auto", "none", "gguf", "int8"):
+            raise ValueError("speculative_config.quantization must be one of auto, none, gguf, int8, got "
+                             f"{quantization!r}")
         out = {}
         for key, lo, hi, default in (("num_speculative_tokens", 1, MAX_SPEC_TOKENS, 4), ("prompt_lookup_min", 1, 64, 1),
                                      ("prompt_lookup_max", 1, 64, 3)):
@@ -67,7 +89,7 @@ class SpeculativeConfig:
         adaptive = value.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
-        return cls(method, adaptive=adaptive, **out)
+        return cls(method, adaptive=adaptive, model=model, quantization=quantization, **out)
 
 
 def _h(text: str, **kw) -> dict:
@@ -104,7 +126,8 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_h("reuse cached KV blocks of shared prefixes"))
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_h(
         "one block table for every layer even when layers differ in attention window (Gemma, Qwen with "
-        "max_window_layers): the KV behind a window is kept, as for full attention (vLLM's flag)"))
+        "max_window_layers; Mistral's sliding window too): the KV behind a window is kept, as for full attention "
+        "(vLLM's flag; a speculative draft model needs it for such a target)"))
     enable_chunked_prefill: bool = field(default=True, metadata=_h("split long prompts across steps"))
     long_prefill_token_threshold: int = field(default=256, metadata=_h("chunk limit: most prompt tokens one request computes per step"))
     preemption_mode: str = field(default="recompute", metadata=_h("recompute | swap, when the KV pool is full"))
@@ -120,8 +143,9 @@ class EngineArgs:
         "per layer; gloo on CPU, NCCL on CUDA); must divide the attention heads, KV heads and MLP size"))
     speculative_config: str | dict | None = field(default=None, metadata=_h(
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": '
-        '1, "prompt_lookup_max": 3}; each step drafts only where the expected accepted tokens pay for the rows '
-        '(measured at start-up; "adaptive": false drafts always)'))
+        '1, "prompt_lookup_max": 3}, or {"model": DRAFT, "num_speculative_tokens": 4} (method draft_model: a '
+        'smaller model with the same tokenizer); each step drafts only where the expected accepted tokens pay for '
+        'the rows (measured at start-up; "adaptive": false drafts always)'))
     traffic_classes: str | list | None = field(default=None, metadata=_h(
         'traffic classes, a JSON list or a file holding one: [{"name": "interactive", "priority": 0, "itl_p99_ms": '
         '150}, {"name": "batch", "priority": 10}]; keys name, priority (required), ttft_p99_ms, itl_p99_ms, '

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.spec_decode import AcceptancePrior, Candidate, SpecStats, choose_drafts, propose_ngram, \
-    update_acceptance
-from pagedserve.core.step import PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, SeqUpdate
+from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, SpecStats, choose_drafts, \
+    propose_ngram, update_acceptance
+from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
+    SeqUpdate
 from pagedserve.core.traffic import ITL_HEADROOM, TTFT_STEP_SHARE, TrafficClasses
 from pagedserve.errors import ParamError, QueueFullError
 
@@ -72,6 +73,9 @@ class Scheduler:
         self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
         self.spec = None                          # config.SpeculativeConfig: running sequences may draft tokens
         self.spec_cost = None                     # spec_decode.StepCostTable (adaptive drafting), set by the engine
+        self.spec_draft_cost = None               # ... and the draft model's proposing pass by rows (draft_model)
+        self.spec_draft_read_s = 0.0              # ... and its seconds per context token read (its KV's catch-up)
+        self.spec_prefill_row_s = 0.0             # the target's seconds per prefill chunk row (set with spec_cost)
         self.spec_stats = SpecStats()
         self.spec_prior = AcceptancePrior()
         self.classes: TrafficClasses | None = None    # traffic classes (--traffic-classes), set by the engine
@@ -185,17 +189,53 @@ class Scheduler:
         as spec_decode.choose_drafts decides; only where the slots allocate (drafts never preempt).
         A step without drafts lets the engine-wide acceptance prior drift back (AcceptancePrior)."""
         base_tokens = sum(1 for req, n in plan if req.num_computed_tokens + n >= req.num_tokens)
-        base_rows = sum(n for _, n in plan)
-        cost, out = self.spec_cost, {}
-        # no lookups when not even a sure draft token pays for its row
-        if cost is None or (base_tokens + 1) * cost(base_rows) > base_tokens * cost(base_rows + 1):
+        # the step's cost: its one-row entries by the table (decode rows), its prefill chunks' rows at the
+        # measured cost of a chunk row
+        base_rows = sum(1 for _, n in plan if n == 1)
+        fixed = sum(n for _, n in plan if n > 1) * self.spec_prefill_row_s
+        cost, dcost, out = self.spec_cost, self.spec_draft_cost, {}
+        # no lookups when not even sure draft tokens pay for their rows (and a draft model's passes)
+        k = self.spec.num_speculative_tokens
+        if cost is None or any((base_tokens + m) * (cost(base_rows) + fixed) > base_tokens * (
+                cost(base_rows + m) + fixed + (m * dcost(1) if dcost is not None else 0.0)) for m in range(1, k + 1)):
             cands = self._candidates(plan)
-            for i, k in choose_drafts(cands, base_rows, base_tokens, cost, budget).items():
-                if self.kv.allocate_slots(cands[i].request, 1 + k):
-                    out[cands[i].request.request_id] = tuple(cands[i].draft[:k])
+            if dcost is not None and cost is not None and any(c.setup_s for c in cands):
+                self._spread_readings(cands, base_rows, base_tokens, budget)
+            chosen = choose_drafts(cands, base_rows, base_tokens, cost, budget, dcost, fixed)
+            if not chosen and cands and cost is not None and budget > 0:
+                chosen = self._probe(cands, base_rows, budget)
+            for i, n in chosen.items():
+                if self.kv.allocate_slots(cands[i].request, 1 + n):
+                    out[cands[i].request.request_id] = tuple(cands[i].draft[:n])
         if not out:
-            self.spec_prior.idle_step()
+            self.spec_prior.idle_step(cost(base_rows) + fixed if cost is not None and plan else 0.0)
         return out
+
+    def _spread_readings(self, cands: list[Candidate], base_rows: int, base_tokens: int, budget: int) -> None:
+        """A draft model's reading lets a sequence draft for the rest of its output, but only where it
+        would go on drafting: a candidate the rule takes in this step's decodes alone (no prefill, no
+        reading) is charged the share of its reading that this step's tokens are of those left to
+        generate (at most SETUP_HORIZON); any other pays it whole (spec_decode's module docstring)."""
+        steady = choose_drafts([Candidate(c.request, c.draft, c.acceptance) for c in cands], base_rows, base_tokens,
+                               self.spec_cost, budget, self.spec_draft_cost)
+        for i in steady:
+            req, c = cands[i].request, cands[i]
+            left = min(req.max_tokens - req.num_output_tokens, SETUP_HORIZON)
+            c.setup_s *= min(1.0, (1 + len(c.draft)) / max(1, left))
+
+    def _reading_s(self, req: Request) -> float:
+        """A draft model's seconds to read the context its KV lacks."""
+        return (req.num_computed_tokens - req.num_draft_computed) * self.spec_draft_read_s
+
+    def _probe(self, cands: list[Candidate], base_rows: int, budget: int) -> dict[int, int]:
+        """A probe (spec_decode's module docstring): the candidate of the cheapest reading, its whole
+        proposal, when the prior allows one at its whole cost (the reading counted in full)."""
+        cost, dcost = self.spec_cost, self.spec_draft_cost
+        i = min(range(len(cands)), key=lambda i: (cands[i].setup_s, -cands[i].acceptance))
+        n = min(len(cands[i].draft), budget)
+        extra = max(0.0, cost(base_rows + n) - cost(base_rows)) + self._reading_s(cands[i].request) + (
+            n * dcost(1) if dcost is not None else 0.0)
+        return {i: n} if self.spec_prior.may_probe(extra) else {}
 
     def _candidates(self, plan: list[tuple[Request, int]]) -> list[Candidate]:
         """The step's decodes that have a proposal. Not sequences a grammar constrains (their masks are
@@ -207,9 +247,14 @@ class Scheduler:
                 continue
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
                        self.cfg.max_model_len - req.num_tokens - 1)
-            draft = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+            setup = 0.0
+            if spec.method == "draft_model":    # the runner's draft model proposes them (ScheduledSeq.draft_prefix)
+                draft = [DRAFT_PENDING] * room
+                setup = self._reading_s(req)
+            else:
+                draft = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
             if draft:
-                cands.append(Candidate(req, draft, self.spec_prior.of(req)))
+                cands.append(Candidate(req, draft, self.spec_prior.of(req), setup))
         return cands
 
     def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
@@ -231,8 +276,11 @@ class Scheduler:
                      else req.num_prompt_tokens)
             if hi > lo:
                 pool, req.pooled_done = PoolRow(lo - start, hi - lo), hi
+        prefix = None
+        if draft and draft[0] == DRAFT_PENDING:      # the draft model first reads what its KV lacks
+            prefix = tuple(req.all_token_ids[req.num_draft_computed:start])
         seq = ScheduledSeq.of(req, start, n, self.kv.block_tables(req.request_id), start + n == req.num_tokens, plp,
-                              pool, draft)
+                              pool, draft, prefix)
         req.num_computed_tokens += n + len(draft)
         return seq
 
@@ -430,6 +478,7 @@ class Scheduler:
         if lim is not None:
             lim.running[req.traffic_class] -= 1 + req.num_pending_forks
             mode = self.classes[req.traffic_class].preemption_mode or mode
+        req.num_draft_computed = 0               # a draft model's KV is neither kept nor swapped: it reads again
         if mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
@@ -470,6 +519,8 @@ class Scheduler:
         self.spec_prior.update(s.num_draft, accepted)
         update_acceptance(req, s.num_draft, accepted)
         req.num_computed_tokens = s.start + 1 + accepted
+        if s.draft_prefix is not None:   # the draft model read up to its last draft's input (not the draft itself)
+            req.num_draft_computed = min(req.num_computed_tokens, s.start + s.num_draft)
         self.kv.trim(req, req.num_computed_tokens + 1)
         for i, tok in enumerate(tokens):
             if req.status is not RequestStatus.RUNNING:

@@ -11,18 +11,38 @@ and the step takes the prefix m that maximises
 
 where T(R) is the step time at R rows, measured on this host at start-up (`StepCostTable`). m = 0
 (no drafts) wins whenever the measured T rises faster than the expected tokens: large batches on
-a compute-bound CPU, or sequences whose drafts keep being rejected."""
+a compute-bound CPU, or sequences whose drafts keep being rejected. With a draft model the cost of
+proposing is added: its pass j runs the sequences that draft at least j tokens, D(rows) each, also
+measured at start-up, so the denominator is T(rows + m) + sum over passes of D(sequences in it),
+plus, for each sequence that drafts, the draft model reading the context its KV lacks (R seconds a
+token, measured too; the whole prompt at a sequence's first draft). That reading lets the sequence
+draft for the rest of its output where it would go on drafting: if the rule takes the candidate in
+the step's decodes alone (no prefill chunks, no reading: the steady state), the step is charged the
+share of the reading that its tokens are of the tokens left to generate, at most SETUP_HORIZON (5
+tokens with 100 left: 5 %); otherwise the whole reading (a big batch that would stop drafting the
+next step never pays for reading a context to draft once). A step's prefill chunks count at the
+measured cost of a chunk row (fixed: drafts or not), its decodes by T.
+
+Probes: the prior may never pay while the drafts would be accepted far more often than it assumes.
+After PROBE_EVERY steps without a draft, one sequence drafts anyway when what it costs (its rows, a
+draft model's passes and reading) is at most PROBE_SHARE of the step time spent since the last
+draft (the reading counted whole here); its outcome moves the prior."""
 from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from itertools import accumulate
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPTANCE = 0.6      # the engine-wide estimate at start, and where it drifts back to while nothing drafts
+PRIOR_ACCEPTANCE = {        # the engine-wide estimate at start, and where it drifts back to while nothing drafts:
+    "ngram": 0.6,           # n-gram lookups, measured on our workloads (BENCHMARKS.md: 0.2 to 0.75)
+    "draft_model": 0.8,     # a draft model is chosen to agree with its target (a failure moves it fast)
+}
 DECAY = 0.8                 # per verified draft of a sequence: older outcomes weigh less (its text changes)
 GLOBAL_DECAY = 0.98         # per verified draft, engine-wide
 DRIFT = 0.01                # per step without a draft, the engine-wide estimate moves this share back to the prior
+PROBE_EVERY = 32            # after this many steps without a draft, one sequence may draft anyway (a probe) ...
+PROBE_SHARE = 0.03          # ... when it costs at most this share of the step time since the last draft
+SETUP_HORIZON = 128         # a draft model's reading is spread over at most this many of a sequence's tokens
 
 
 def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -48,15 +68,14 @@ def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int
 
 @dataclass(slots=True)
 class StepCostTable:
-    """Step seconds by rows computed, measured at start-up; piecewise linear between the measured
-    points, extended past the last one by the last slope. Non-decreasing in rows: a step of more rows
-    never costs less, so a lower reading is noise and is raised to the one before it."""
+    """Step seconds by rows computed, measured at start-up (the best of two runs); piecewise linear
+    between the measured points, extended past the last one by the last slope. Not forced to rise
+    with rows: on an AVX2 host MKL's float32 GEMM takes a matrix-vector path for one row and 2 or 3
+    rows cost more than 5 or 8 (measured: 1 row 41 ms, 2: 74, 3: 94, 5: 71, 8: 69), which the rule
+    should see."""
 
     rows: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.seconds = list(accumulate(self.seconds, max))
 
     def __call__(self, r: int) -> float:
         rows, sec = self.rows, self.seconds
@@ -81,12 +100,15 @@ class Candidate:
     request: object                 # core.request.Request
     draft: list[int]
     acceptance: float
+    setup_s: float = 0.0            # a draft model's reading of the context its KV lacks: this step's share
 
 
 def choose_drafts(cands: list[Candidate], base_rows: int, base_tokens: int, cost: StepCostTable | None,
-                  budget: int) -> dict[int, int]:
+                  budget: int, draft_cost: StepCostTable | None = None, fixed_s: float = 0.0) -> dict[int, int]:
     """Draft tokens per candidate (index -> count), by the rule in the module docstring; without a
-    cost table (adaptive off) every proposal is taken whole, as the budget allows."""
+    cost table (adaptive off) every proposal is taken whole, as the budget allows. draft_cost: a draft
+    model's seconds per proposing pass by sequences in it (None: proposals cost nothing, n-gram).
+    base_rows: the step's decode rows; fixed_s: the rest of its time (prefill chunks), drafts or not."""
     if cost is None:
         out, left = {}, budget
         for i, c in enumerate(cands):
@@ -94,12 +116,32 @@ def choose_drafts(cands: list[Candidate], base_rows: int, base_tokens: int, cost
             if n:
                 out[i], left = n, left - n
         return out
-    probs = sorted(((c.acceptance ** (d + 1), i) for i, c in enumerate(cands) for d in range(len(c.draft))),
+    active = list(range(len(cands)))
+    while True:      # a candidate whose reading keeps it out would hold back those after it: drop, choose again
+        out = _best_prefix(cands, active, base_rows, base_tokens, cost, budget, draft_cost, fixed_s)
+        dropped = {i for i in active if i not in out and cands[i].setup_s > 0}
+        if not dropped:
+            return out
+        active = [i for i in active if i not in dropped]
+
+
+def _best_prefix(cands: list[Candidate], active: list[int], base_rows: int, base_tokens: int, cost: StepCostTable,
+                 budget: int, draft_cost: StepCostTable | None, fixed_s: float) -> dict[int, int]:
+    probs = sorted(((cands[i].acceptance ** (d + 1), i) for i in active for d in range(len(cands[i].draft))),
                    reverse=True)[:budget]
-    best_m, best, tokens = 0, base_tokens / cost(base_rows), float(base_tokens)
-    for m, (p, _) in enumerate(probs, start=1):
+    best_m, best, tokens = 0, base_tokens / (cost(base_rows) + fixed_s), float(base_tokens)
+    taken, passes, extra = [0] * len(cands), [], 0.0     # draft model: sequences in each proposing pass
+    for m, (p, i) in enumerate(probs, start=1):
         tokens += p
-        score = tokens / cost(base_rows + m)
+        if draft_cost is not None:
+            j = taken[i]                 # candidate i's next token needs its pass j (its own come in order)
+            taken[i] += 1
+            if j == len(passes):
+                passes.append(0)
+            extra += draft_cost(passes[j] + 1) - (draft_cost(passes[j]) if passes[j] else 0.0)
+            extra += cands[i].setup_s if j == 0 else 0.0
+            passes[j] += 1
+        score = tokens / (cost(base_rows + m) + fixed_s + extra)
         if score > best:
             best_m, best = m, score
     out: dict[int, int] = {}
@@ -123,21 +165,32 @@ def update_acceptance(req, num_draft: int, num_accepted: int) -> None:
 class AcceptancePrior:
     """The engine-wide acceptance of draft tokens: what a sequence's estimate starts from. It follows
     every verified draft and, while no sequence drafts (the rule found none worth it), drifts back
-    toward PRIOR_ACCEPTANCE, so a workload whose drafts once failed is tried again later."""
+    toward its method's PRIOR_ACCEPTANCE, so a workload whose drafts once failed is tried again later."""
 
+    prior: float = PRIOR_ACCEPTANCE["ngram"]
     tried: float = 0.0
     accepted: float = 0.0
+    idle_steps: int = 0             # steps since the last draft
+    idle_s: float = 0.0             # their step time (as the cost table has it)
 
     @property
     def rate(self) -> float:
-        return (self.accepted + 4 * PRIOR_ACCEPTANCE) / (self.tried + 4)
+        return (self.accepted + 4 * self.prior) / (self.tried + 4)
 
     def update(self, num_draft: int, num_accepted: int) -> None:
         self.tried, self.accepted = _decayed(self.tried, self.accepted, GLOBAL_DECAY, num_draft, num_accepted)
+        self.idle_steps, self.idle_s = 0, 0.0
 
-    def idle_step(self) -> None:
+    def idle_step(self, step_s: float = 0.0) -> None:
         self.tried *= 1 - DRIFT
         self.accepted *= 1 - DRIFT
+        self.idle_steps += 1
+        self.idle_s += step_s
+
+    def may_probe(self, cost_s: float) -> bool:
+        """Whether a step the rule leaves without drafts may try one costing cost_s seconds anyway (see
+        the module docstring): probes take at most PROBE_SHARE of the time."""
+        return self.idle_steps >= PROBE_EVERY and cost_s <= PROBE_SHARE * self.idle_s
 
     def of(self, req) -> float:
         """A sequence's estimate: its own decayed outcomes, with this prior counted as two tries."""
@@ -164,5 +217,5 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
-__all__ = ["propose_ngram", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
+__all__ = ["SETUP_HORIZON", "propose_ngram", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
            "SpecStats"]

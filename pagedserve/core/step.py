@@ -10,6 +10,9 @@ from pagedserve.core.request import Request
 from pagedserve.sampling_params import SamplingParams
 
 
+DRAFT_PENDING = -1      # a draft token the runner's draft model has yet to propose (ScheduledSeq.draft_prefix)
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingRow:
     """What the sampler needs about one sequence that samples this step."""
@@ -69,6 +72,10 @@ class ScheduledSeq:
     pool: PoolRow | None = None
     num_draft: int = 0
     lora_id: int = 0                    # the LoRA adapter its rows run with (0: the base model)
+    # a draft model's turn (speculative method draft_model): its num_draft draft tokens are DRAFT_PENDING
+    # placeholders the runner's draft model fills before the forward, after first reading these tokens
+    # (positions start - len .. start - 1: the ones its own KV lacks); None: the drafts are given
+    draft_prefix: tuple[int, ...] | None = None
 
     @property
     def draft(self) -> tuple[int, ...]:
@@ -90,9 +97,10 @@ class ScheduledSeq:
     @classmethod
     def of(cls, req: Request, start: int, n: int, block_tables: tuple[tuple[int, ...], ...], sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
-           draft: tuple[int, ...] = ()) -> ScheduledSeq:
+           draft: tuple[int, ...] = (), draft_prefix: tuple[int, ...] | None = None) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, block_tables,
-                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id)
+                   SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id,
+                   draft_prefix)
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import StepCostTable
+from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, StepCostTable
 from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
@@ -29,6 +29,7 @@ from pagedserve.model.loader import load_model, read_model_config, read_pooling_
 from pagedserve.lora_request import LoRAEntry, LoRARegistry, LoRARequest, parse_lora_modules
 from pagedserve.model.lora import read_adapter
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
+from pagedserve.runner.draft_runner import DraftRunner
 from pagedserve.runner.model_runner import RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
 from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
@@ -89,11 +90,17 @@ class LLMEngine:
         # bytes of one token in every layer (full attention everywhere: the seed's arithmetic)
         self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))
         layout = cfg.kv_layout
-        if args.disable_hybrid_kv_cache_manager and layout.num_groups > 1:    # one table: every layer full
+        if args.disable_hybrid_kv_cache_manager and layout.windows != (0,):  # one table, every layer's KV kept
             layout = KVLayout.uniform(cfg.num_layers)
         self.kv_layout = layout
         # a block id spans `planes` layers (all of them, unless groups of layers have tables of their own)
         self.kv_block_bytes = self.kv_cache_bytes_per_token // cfg.num_layers * layout.planes * args.block_size
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        draft = self._load_draft(spec, dtype, layout) if spec is not None and spec.method == "draft_model" else None
+        if draft is not None:          # its KV lives in the same block ids: a block holds both models' slices
+            self.kv_block_bytes += draft.cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype)) \
+                * args.block_size
+            self.weights_bytes += weight_bytes(draft)
         num_blocks = self._size_kv_pool(kv_dtype)
         classes = TrafficClasses.parse(args.traffic_classes)
         swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))
@@ -108,7 +115,10 @@ class LLMEngine:
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
                                                                       kv_dtype, args.seed, layout))
-        self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size
+        if draft is not None:
+            self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
+        self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (
+            self.runner.drafter.kv_cache_bytes if draft is not None else 0)
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
@@ -129,11 +139,21 @@ class LLMEngine:
             log.info("LoRA: up to %d adapters per step, rank <= %d, %d loaded (%s), at most %d in memory",
                      args.max_loras, args.max_lora_rank, len(modules), ", ".join(modules) or "none",
                      self.loras.capacity)
-        spec = self.scheduler.spec = SpeculativeConfig.parse(args.speculative_config)
+        self.scheduler.spec = spec
+        if spec is not None:
+            self.scheduler.spec_prior = AcceptancePrior(PRIOR_ACCEPTANCE[spec.method])
         if spec is not None and spec.adaptive:
             self.scheduler.spec_cost = cost = self._measure_step_costs(spec.num_speculative_tokens)
-            log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s", spec.method,
-                     spec.num_speculative_tokens, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()))
+            log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s; a prefill chunk's "
+                     "row %.2f ms", spec.method, spec.num_speculative_tokens,
+                     " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()),
+                     self.scheduler.spec_prefill_row_s * 1e3)
+            if draft is not None:
+                dcost, read_s = self._measure_draft_costs()
+                self.scheduler.spec_draft_cost, self.scheduler.spec_draft_read_s = dcost, read_s
+                log.info("speculative decoding: draft model %s; its proposing pass by sequences (ms) %s; reading "
+                         "context %.2f ms/token", spec.model, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in
+                                                                      dcost.as_dict().items()), read_s * 1e3)
         elif spec is not None:
             log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)", spec.method,
                      spec.num_speculative_tokens)
@@ -163,18 +183,69 @@ class LLMEngine:
         ids = (tuple(b.block_id for b in blocks),) * len(self.kv.windows)   # (groups may share them: values unused)
         row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
 
-        def run(r: int) -> float:
-            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=r - 1),))
+        def run(r: int, chunk: bool = False) -> float:
+            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=0 if chunk else r - 1),))
             t0 = time.perf_counter()
             self.executor.execute(so)
             return time.perf_counter() - t0
+        n = max(2, min(top, a.long_prefill_token_threshold))
         try:
             run(1)
             seconds = [min(run(r), run(r)) for r in rows]
+            run(n, chunk=True)
+            chunk_s = min(run(n, chunk=True), run(n, chunk=True))
         finally:
             self.kv.pool.free_blocks(blocks)
             self.runner.sampler.forget("spec-profile")
+        # a prefill chunk's row: what an n-row chunk costs beyond a one-row step, a row
+        self.scheduler.spec_prefill_row_s = max(0.0, chunk_s - seconds[0]) / (n - 1)
         return StepCostTable(rows, seconds)
+
+    def _load_draft(self, spec: SpeculativeConfig, dtype: torch.dtype, layout: KVLayout):
+        """The draft model of speculative method draft_model, in this engine's dtype, weights packed or
+        dense by the same rule as the target's; ValueError naming speculative_config.model when it cannot
+        draft for this target (another tokenizer or vocabulary, or a target whose layers keep windows)."""
+        args, field = self.args, "speculative_config.model"
+        if layout.windows != (0,):
+            raise ParamError(field, f"{field}: a draft model needs one block table of full-attention layers, and this "
+                             f"model's layers keep attention windows ({layout.describe()}); pass "
+                             "--disable-hybrid-kv-cache-manager, or use method 'ngram'")
+        try:
+            src = resolve_model(spec.model)
+        except (OSError, ValueError) as e:
+            raise ParamError(field, f"{field}: {e}") from None
+        # its own "auto" ignores --dtype float32's exactness (a draft need not be exact): packed + a dense copy
+        quant, dense_copy, _ = choose_quantization(spec.quantization or args.quantization, src.kind,
+                                                   "auto" if spec.quantization == "auto" else args.dtype, args.device, 1)
+        if quant == "gguf" and src.kind != "gguf":
+            raise ParamError("speculative_config.quantization", "speculative_config.quantization 'gguf' keeps a GGUF "
+                             f"file's blocks packed, but the draft {spec.model} is an HF folder")
+        # its activations int8-rounded wherever its weights are packed: a draft need not be exact
+        model, cfg = load_model(src, dtype, args.device, quant, None, quant != "none", dense_copy)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ParamError(field, f"{field}: the draft's vocabulary has {cfg.vocab_size} tokens, the target's "
+                             f"{self.model_config.vocab_size}: a draft model must share the target's tokenizer")
+        if load_tokenizer(src).get_vocab() != self.tokenizer.get_vocab():
+            raise ParamError(field, f"{field}: the draft's tokenizer differs from the target's (same vocabulary "
+                             "size, other tokens): a draft model must share the target's tokenizer")
+        log.info("speculative decoding: draft model %s (%s, %d layers, quantization %s, %.0f MiB of weights; its KV "
+                 "shares the target's blocks: the memory plan's weights and bytes per token include it)", spec.model,
+                 src.kind, cfg.num_layers, quant, weight_bytes(model) / 2**20)
+        return model
+
+    def _measure_draft_costs(self) -> tuple[StepCostTable, float]:
+        """The draft model's proposing pass by sequences in it (one decode row each), and its seconds per
+        token of reading a context (a 128-token chunk), on this host."""
+        a = self.args
+        top = min(a.max_num_seqs, a.max_num_batched_tokens, 64)
+        rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= top} | {top})
+        blocks = self.kv.pool.get_new_blocks(min(self.kv.blocks_needed(128), self.kv.pool.num_usable_blocks // 2))
+        row = SamplingRow("draft-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
+        try:
+            seconds, read_s = self.runner.drafter.measure(rows, tuple(b.block_id for b in blocks), row)
+        finally:
+            self.kv.pool.free_blocks(blocks)
+        return StepCostTable(rows, seconds), read_s
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""
@@ -461,7 +532,7 @@ class LLMEngine:
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
             num_preemptions=len(so.preempted), num_admitted=so.num_admitted, num_draft_tokens=so.num_draft_tokens,
             step_s=step_s, forward_s=ro.forward_s,
-            prepare_s=ro.prepare_s, sample_s=ro.sample_s)
+            prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s)
 
 
 def _owner_id(req: Request) -> str:

@@ -75,6 +75,7 @@ class StepStats:
     step_s: float = 0.0
     forward_s: float = 0.0
     prepare_s: float = 0.0
+    propose_s: float = 0.0                  # speculative draft_model: the draft model's passes (in prepare_s)
     sample_s: float = 0.0
 
 

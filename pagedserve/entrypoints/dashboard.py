@@ -122,7 +122,7 @@ def _spec(sch) -> dict | None:
     if sch.spec is None:
         return None
     sp = sch.spec_stats
-    return {"method": sch.spec.method, "num_speculative_tokens": sch.spec.num_speculative_tokens,
+    return {"method": sch.spec.method, "draft_model": sch.spec.model, "num_speculative_tokens": sch.spec.num_speculative_tokens,
             "adaptive": sch.spec.adaptive, "num_drafts": sp.num_drafts, "num_draft_tokens": sp.num_draft_tokens,
             "num_accepted_tokens": sp.num_accepted_tokens, "accepted_per_pos": list(sp.accepted_per_pos),
             "acceptance_rate": round(sp.num_accepted_tokens / sp.num_draft_tokens, 4) if sp.num_draft_tokens else None}

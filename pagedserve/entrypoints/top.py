@@ -2,6 +2,7 @@
 terminal, refreshed live with rich: the queues, a compact block map, the step timeline."""
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -24,7 +25,8 @@ def _spec(sp: dict | None) -> str:
     if not sp:
         return ""
     rate = "-" if sp["acceptance_rate"] is None else f"{100 * sp['acceptance_rate']:.1f}%"
-    return f" · speculative {sp['method']}: {sp['num_draft_tokens']} drafted, {rate} accepted"
+    how = sp["method"] if not sp.get("draft_model") else f"draft model {os.path.basename(sp['draft_model'].rstrip('/'))}"
+    return f" · speculative {how}: {sp['num_draft_tokens']} drafted, {rate} accepted"
 
 
 def render(s: dict, width: int = 100) -> Group:

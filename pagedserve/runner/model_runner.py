@@ -32,6 +32,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # request id -> this chunk's
     pooled: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)   # request id -> (float32 sum, rows)
     forward_s: float = 0.0
+    propose_s: float = 0.0           # a draft model's proposing passes (in prepare_s too)
     prepare_s: float = 0.0
     sample_s: float = 0.0
 
@@ -65,6 +66,7 @@ class ModelRunner:
             kernels.set_threads(torch.get_num_threads())
         self.native_prefill = self.use_native and kernels.native_prefill_pays()
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
+        self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
 
     # ------------------------------------------------------------ LoRA adapters
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
@@ -203,6 +205,12 @@ class ModelRunner:
         if not so.seqs:
             return out
         t0 = time.perf_counter()
+        if self.drafter is not None:                  # a draft model proposes the step's pending drafts
+            self.drafter.apply_copies(so.block_ops)
+            so = self.drafter.propose(so)
+            out.propose_s = self.drafter.propose_s
+        elif any(s.draft_prefix is not None for s in so.seqs):
+            raise RuntimeError("the step has draft tokens for a draft model to propose, and this runner has none")
         input_ids, positions, md, rows, sample_rows, prompt_rows, pool_rows, lora = self.prepare(so)
         dev = self.device
         if dev.type != "cpu":

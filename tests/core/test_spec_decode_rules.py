@@ -46,6 +46,64 @@ def test_rule_takes_no_draft_when_rows_cost_more_than_they_bring():
     assert choose_drafts(cands, 2, 2, None, budget=3) == {0: 3}     # adaptive off: proposals whole, budget first
 
 
+def test_rule_counts_a_draft_models_passes():
+    """With a draft model each proposing pass costs D(sequences in it): pass j runs the sequences that
+    draft at least j tokens. Cheap passes leave the choice as it was; dear ones shorten or end it."""
+    cands = [Candidate(None, [0] * 4, 0.9), Candidate(None, [0] * 4, 0.9)]
+    flat = StepCostTable([1, 2, 16], [0.020, 0.021, 0.026])
+    assert choose_drafts(cands, 2, 2, flat, 100) == {0: 4, 1: 4}
+    cheap = StepCostTable([1, 2], [0.0005, 0.0006])
+    assert choose_drafts(cands, 2, 2, flat, 100, cheap) == {0: 4, 1: 4}
+    # a pass of 6 ms: the fourth pass (2 x 0.66 = 1.31 tokens) still pays, at 20 ms even the first does not
+    assert choose_drafts(cands, 2, 2, flat, 100, StepCostTable([1, 2], [0.006, 0.006])) == {0: 4, 1: 4}
+    assert choose_drafts(cands, 2, 2, flat, 100, StepCostTable([1, 2], [0.020, 0.020])) == {}
+    # one sequence in a pass is cheaper than two: with acceptances 0.9 and 0.3, only the first drafts
+    mixed = [Candidate(None, [0] * 4, 0.9), Candidate(None, [0] * 4, 0.3)]
+    assert choose_drafts(mixed, 2, 2, flat, 100, StepCostTable([1, 2], [0.004, 0.008])) == {0: 4}
+
+
+def test_a_rule_that_never_drafts_probes_one_sequence_now_and_then():
+    """The prior alone may never pay for a draft model's passes while its drafts would be accepted
+    almost always: after PROBE_EVERY steps without a draft, one sequence drafts once what it costs is
+    within PROBE_SHARE of the step time since; what it measures moves the prior."""
+    from pagedserve.core.spec_decode import PROBE_EVERY, PROBE_SHARE
+    sch, kv = _sched(k=4, bs=4, blocks=128)
+    sch.spec = SpeculativeConfig("draft_model", 4, model="x")
+    sch.spec_cost = StepCostTable([1, 5], [0.040, 0.070])          # 5 rows: 1.75x one
+    sch.spec_draft_cost = StepCostTable([1], [0.020])               # a pass costs half a step: at 0.6 none pays
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=250), 250)
+    sch.add_request(r)
+    list(sch.update_from_output(sch.schedule(), {"a": [4]}))        # the prompt's step: the first without a draft
+    drafted = []
+    for step in range(200):
+        so = sch.schedule()
+        (s,) = so.seqs
+        drafted.append(s.num_draft)
+        if s.num_draft:                      # the runner's draft model fills the placeholders; all accepted
+            assert s.draft == (-1,) * s.num_draft
+            assert s.draft_prefix == tuple(r.all_token_ids[r.num_draft_computed:s.start])
+            list(sch.update_from_output(so, {"a": [5] * (s.num_draft + 1)}))
+            assert r.num_draft_computed == s.start + s.num_draft == r.num_computed_tokens - 1
+        else:
+            list(sch.update_from_output(so, {"a": [5]}))
+        if len([d for d in drafted if d]) == 3:
+            break
+    p = next(i for i, d in enumerate(drafted) if d)
+    probe_s = 0.070 - 0.040 + 4 * 0.020                             # 4 rows more and 4 passes
+    assert p >= PROBE_EVERY and PROBE_SHARE * (p + 1) * 0.040 >= probe_s > PROBE_SHARE * p * 0.040
+    assert drafted[p] == 4 and all(drafted[p + 1:])                 # the probe, then the rule drafts by itself
+
+
+def test_a_draft_models_reading_counts_once_for_its_sequence():
+    """A sequence whose draft KV lacks its context pays for reading it in the step it first drafts."""
+    flat = StepCostTable([1, 2, 16], [0.020, 0.021, 0.026])
+    passes = StepCostTable([1, 2], [0.001, 0.001])
+    fresh = [Candidate(None, [0] * 4, 0.9, setup_s=0.100), Candidate(None, [0] * 4, 0.9, setup_s=0.0)]
+    assert choose_drafts(fresh, 2, 2, flat, 100, passes) == {1: 4}
+    assert choose_drafts([fresh[0]], 1, 1, flat, 100, passes) == {}
+    assert choose_drafts([Candidate(None, [0] * 4, 0.9, setup_s=0.010)], 1, 1, flat, 100, passes) == {0: 4}
+
+
 def test_cost_table_interpolates_and_extends():
     t = StepCostTable([1, 3, 5], [1.0, 2.0, 4.0])
     assert t(1) == 1.0 and t(2) == 1.5 and t(4) == 3.0 and t(7) == 6.0 and t(0) == 1.0
@@ -53,7 +111,12 @@ def test_cost_table_interpolates_and_extends():
 
 @pytest.mark.parametrize("value, names", [
     ({"method": "eagle"}, "speculative_config.method"),
-    ({"method": "draft_model", "model": "x"}, "speculative_config.method"),
+    ({"method": "draft_model"}, "speculative_config.model"),
+    ({"method": "draft_model", "model": ""}, "speculative_config.model"),
+    ({"model": "x", "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
+    ({"method": "ngram", "quantization": "gguf"}, "speculative_config.quantization"),
+    ({"model": "x", "quantization": "q4"}, "speculative_config.quantization"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),

@@ -229,3 +229,124 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab):
     assert min(_fit(hot, dist).values()) < 1e-3
     taken = torch.tensor([[t] + (propose_ngram(PROMPT + [t], 1, 3, 2) + [t, t])[:2] for t in toks[:, 0].tolist()])
     assert min(_fit(taken, dist).values()) < 1e-3                      # what accepting every draft would give
+
+
+# ---------------------------------------------------------------- method draft_model
+# The target's own GGUF file as its draft, kept packed (Q4_1 weights, int8-rounded activations): a cheap
+# draft that agrees with the float32 target almost always. A random model with the target's tokenizer
+# and vocabulary: a draft that is almost always wrong. Neither may change a token of the output.
+
+def _draft_config(path, **kw):
+    return {"model": path, "num_speculative_tokens": 4, "adaptive": False} | kw
+
+
+@pytest.fixture(scope="module")
+def packed_draft(default_source):
+    return LLM(num_kv_blocks=1024, block_size=16, dtype="float32",
+               speculative_config=_draft_config(default_source.path, quantization="gguf"))
+
+
+@pytest.fixture(scope="module")
+def random_draft_path(tmp_path_factory, tokenizer):
+    from tests.model.families import save_family
+    d = tmp_path_factory.mktemp("random_draft")
+    save_family("llama", d, tokenizer.vocab_size, tokenizer, num_hidden_layers=1, hidden_size=32,
+                intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return str(d)
+
+
+def test_draft_model_greedy_outputs_are_identical(llm, packed_draft, random_draft_path, chat_prompt_ids):
+    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:6]] + GROUNDED
+    sp = SamplingParams(max_tokens=40, temperature=0.0)
+    ref = _ids(llm.generate(prompts, sp))
+    stats = _engine(packed_draft).scheduler.spec_stats
+    d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
+    assert _ids(packed_draft.generate(prompts, sp)) == ref
+    drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
+    assert drafted > 200 and accepted > 0.8 * drafted           # the packed copy agrees: drafts are taken
+    _assert_idle_and_clean(packed_draft)
+    rand = LLM(num_kv_blocks=256, block_size=16, dtype="float32", speculative_config=_draft_config(random_draft_path))
+    assert _ids(rand.generate(prompts[:4], sp)) == ref[:4]
+    stats = _engine(rand).scheduler.spec_stats
+    assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens < 0.2 * stats.num_draft_tokens
+    _assert_idle_and_clean(rand)
+
+
+def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(llm, packed_draft, chat_prompt_ids):
+    prompts = GROUNDED + [{"prompt_token_ids": p} for p in chat_prompt_ids[:2]]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=7 + i, logprobs=1,
+                             repetition_penalty=1.1 if i % 2 else 1.0) for i in range(len(prompts))]
+    ref, got = llm.generate(prompts, params), packed_draft.generate(prompts, params)
+    assert _ids(got) == _ids(ref)
+    for r, g in zip(ref, got):
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lr.keys() == lg.keys() and all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
+    ref_text = llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
+    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]
+    for sp in (SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), SamplingParams(max_tokens=7, temperature=0),
+               SamplingParams(max_tokens=20, temperature=0.9, n=3, seed=5),
+               SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=1)):
+        ref, got = llm.generate(GROUNDED[:2], sp), packed_draft.generate(GROUNDED[:2], sp)
+        assert _ids(got) == _ids(ref), sp
+        assert [[(o.text, o.finish_reason) for o in r.outputs] for r in got] == \
+               [[(o.text, o.finish_reason) for o in r.outputs] for r in ref], sp
+    _assert_idle_and_clean(packed_draft)
+
+
+def test_draft_model_through_chunked_prefill_and_preemption(default_source, chat_prompt_ids):
+    """A pool far smaller than the work: sequences are preempted (recompute and swap) and their draft
+    reads its context again; prompts chunked at 32 tokens. The same tokens as without drafts, drafts
+    still accepted, every block back."""
+    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:3]] + GROUNDED
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = []
+    for mode, spec in (("recompute", None), ("recompute", True), ("swap", True)):
+        llm = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32, preemption_mode=mode,
+                  speculative_config=_draft_config(default_source.path, quantization="gguf") if spec else None)
+        outs.append(_ids(llm.generate(prompts, sp)))
+        eng = _engine(llm)
+        assert eng.counters.preemptions > 0
+        if spec:
+            st = eng.scheduler.spec_stats
+            assert st.num_accepted_tokens > 0.7 * st.num_draft_tokens > 0
+        _assert_idle_and_clean(llm)
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_a_draft_model_that_cannot_draft_for_the_target_is_refused_naming_it(tmp_path, tokenizer, small_vocab,
+                                                                             random_draft_path):
+    import shutil
+    from tests.model.families import save_family
+    cases = [(small_vocab[0], "vocabulary has 12 tokens"), (str(tmp_path / "nowhere"), "")]
+    # the target's vocabulary size, two tokens' ids swapped: another tokenizer
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(random_draft_path, other)
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    cases.append((str(other), "tokenizer differs"))
+    for path, what in cases:
+        with pytest.raises(ValueError, match=r"speculative_config\.model.*" + what):
+            LLM(num_kv_blocks=64, dtype="float32", speculative_config={"model": path})
+    windowed = tmp_path / "mistral"                  # a target whose layers keep a window: one table is needed
+    save_family("mistral", windowed, tokenizer.vocab_size, tokenizer)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*windows"):
+        LLM(str(windowed), num_kv_blocks=64, dtype="float32", speculative_config={"model": random_draft_path})
+    llm = LLM(str(windowed), num_kv_blocks=64, dtype="float32", disable_hybrid_kv_cache_manager=True,
+              speculative_config=_draft_config(random_draft_path))
+    assert len(llm.generate(["Hi"], SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids) == 5
+
+
+def test_draft_model_samples_follow_the_target_distribution(small_vocab, tokenizer, tmp_path):
+    """A random draft of the same 12 tokens proposes its greedy tokens (q = 1 on them): verified by the
+    same rule as n-gram drafts, the sampled tokens fit the target's exact distribution."""
+    from tests.model.families import save_family
+    path, dist = small_vocab
+    save_family("llama", tmp_path, VOCAB, tokenizer, sharpen=2.0, num_hidden_layers=1, tie_word_embeddings=True)
+    toks, stats = _sample(path, _draft_config(str(tmp_path), num_speculative_tokens=2), 3000)
+    assert stats.num_draft_tokens > 5000 and stats.num_accepted_tokens > 300 and stats.accepted_per_pos[1] > 0
+    fit = _fit(toks, dist)
+    assert min(fit.values()) > 1e-3, fit

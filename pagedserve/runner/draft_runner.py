@@ -1,0 +1,122 @@
+"""Speculative decoding's draft model (method draft_model): a smaller model with the target's
+tokenizer proposes each drafting sequence's next tokens before the target's forward verifies them.
+
+Its KV cache is a pool of its own with the target's block ids: the scheduler allocates a block once
+and both models write the same slots, so nothing about blocks (allocation, prefix sharing, forks,
+trimming rejected drafts, preemption) is planned twice. The draft's KV is best-effort: the target's
+verification makes the output exact whatever the draft proposes, so a draft whose KV is stale only
+proposes worse tokens. The scheduler keeps each sequence's `num_draft_computed` (the positions the
+draft's KV holds) and hands the draft the tokens it lacks (`ScheduledSeq.draft_prefix`): at a
+sequence's first drafting step its whole context, later the one token it never read (the last draft
+of a run that was accepted whole), after a preemption everything again.
+
+Per step, for the sequences whose drafts are DRAFT_PENDING: pass 1 reads each one's prefix and its
+current token (as prefill chunks, or decode rows when only the current token is new) and proposes
+its first draft; pass j (up to the longest draft) feeds draft j - 1 of the sequences that draft at
+least j tokens, one decode row each, and proposes draft j. The proposals are the draft's greedy
+tokens (argmax of its logits): a draft proposed with certainty (q = 1 on it) is verified exactly by
+the sampler's rule for any temperature (runner/sampler.py: accepted_run), as n-gram drafts are."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from pagedserve.core.kv_layout import KVLayout
+from pagedserve.core.step import ScheduledSeq, SchedulerOutput
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.runner.model_runner import ModelRunner
+
+CATCH_UP_ROWS = 1024        # the most rows one reading pass takes (a long context is read in several)
+
+
+class DraftRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype):
+        # the draft's own runner: its weights, and its KV pool over the target's block ids, one table for
+        # all its layers (a window is applied by the attention's mask; the KV behind it is kept)
+        self.runner = ModelRunner(model, num_blocks, block_size, 0, kv_cache_dtype=kv_cache_dtype,
+                                  layout=KVLayout.uniform(model.cfg.num_layers))
+        self.model = model
+        self.propose_s = 0.0             # the last step's proposing time
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    def apply_copies(self, ops) -> None:
+        """The step's copy-on-write block copies in the draft's pool too (swaps are not mirrored: a
+        preempted sequence's draft reads its context again)."""
+        if ops.copy:
+            src, dst = zip(*ops.copy)
+            for t in (self.runner.kv_cache, self.runner.kv_scales):
+                if t is not None:
+                    t[:, :, list(dst)] = t[:, :, list(src)]
+
+    def _pass(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """One forward of the draft over these records (decode rows first); the greedy token of each
+        record that samples, in order."""
+        r = self.runner
+        seqs = sorted(seqs, key=lambda s: not s.is_decode)
+        input_ids, positions, md, rows, _, _, _, _ = r.prepare(SchedulerOutput(tuple(seqs)))
+        dev = r.device
+        hidden = self.model(input_ids.to(dev), positions.to(dev), r.kv_caches, md, None)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+        return logits.argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def propose(self, so: SchedulerOutput) -> SchedulerOutput:
+        """The step with every DRAFT_PENDING token replaced by the draft model's proposal."""
+        todo = [s for s in so.seqs if s.draft_prefix is not None and s.num_draft]
+        self.propose_s = 0.0
+        if not todo:
+            return so
+        t0 = time.perf_counter()
+        drafts: dict[str, list[int]] = {s.request_id: [] for s in todo}
+        # pass 1 (in pieces of at most CATCH_UP_ROWS rows per sequence): the prefix, then the current token
+        pieces = []
+        for s in todo:
+            toks = s.draft_prefix + s.token_ids[:1]
+            first = s.start - len(s.draft_prefix)
+            chunks = [(a, toks[a:a + CATCH_UP_ROWS]) for a in range(0, len(toks), CATCH_UP_ROWS)]
+            pieces.append([ScheduledSeq(s.request_id, c, first + a, s.block_tables[:1],
+                                        s.sampling if a + len(c) == len(toks) else None) for a, c in chunks])
+        for round_ in range(max(len(p) for p in pieces)):
+            batch = [p[round_] for p in pieces if round_ < len(p)]
+            sampling = [b.request_id for b in sorted(batch, key=lambda b: not b.is_decode) if b.sampling is not None]
+            for rid, tok in zip(sampling, self._pass(batch)):
+                drafts[rid].append(tok)
+        # passes 2..k: each sequence's last draft, one decode row, while it wants more
+        for j in range(1, max(s.num_draft for s in todo)):
+            batch = [ScheduledSeq(s.request_id, (drafts[s.request_id][-1],), s.start + j, s.block_tables[:1], s.sampling)
+                     for s in todo if s.num_draft > j]
+            for b, tok in zip(batch, self._pass(batch)):
+                drafts[b.request_id].append(tok)
+        seqs = tuple(replace(s, token_ids=s.token_ids[:1] + tuple(drafts[s.request_id]))
+                     if s.request_id in drafts else s for s in so.seqs)
+        self.propose_s = time.perf_counter() - t0
+        return replace(so, seqs=seqs)
+
+    @torch.inference_mode()
+    def measure(self, rows: list[int], block_ids: tuple[int, ...], sampling) -> tuple[list[float], float]:
+        """Seconds of one proposing pass of r decode rows (r sequences, one token each), for each r, and
+        seconds per token of reading a context (one chunk filling block_ids); the best of two after a
+        warm-up. Writes slots of `block_ids` only (blocks the caller holds)."""
+        n = len(block_ids) * self.runner.block_size
+
+        def run(batch: list[ScheduledSeq]) -> float:
+            t0 = time.perf_counter()
+            self._pass(batch)
+            return time.perf_counter() - t0
+
+        def decode(r: int) -> list[ScheduledSeq]:
+            return [ScheduledSeq(f"draft-profile-{i}", (0,), i % n, (block_ids,), sampling) for i in range(r)]
+        read = [ScheduledSeq("draft-profile", (0,) * n, 0, (block_ids,), sampling)]
+        run(decode(1))
+        run(read)
+        return [min(run(decode(r)), run(decode(r))) for r in rows], min(run(read), run(read)) / n
+
+
+__all__ = ["DraftRunner"]
