@@ -271,8 +271,10 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
     }
 }
 
-/* Decode work plan: contexts split into ranges of `chunk` keys so that there are at least 4 items per
- * thread (a lone long context is shared by all threads); items[first[d] .. first[d + 1]) are sequence d's. */
+/* Decode work plan: each context split into ranges of `chunk` keys, chunk from that context's own length
+ * (up to 4 items per thread: a lone long context is shared by all threads), never from the rest of the
+ * batch, so a row's arithmetic is the same whatever rows share its step (a speculative step's verification
+ * rows compute what a one-row decode would); items[first[d] .. first[d + 1]) are sequence d's. */
 typedef struct { int seq; int64_t t0, t1; } item_t;
 typedef struct { int threads, n_items; int *first; item_t *items; float *part; } plan_t;
 
@@ -282,24 +284,25 @@ static inline int64_t first_key(int64_t ctx, int window) { return window > 0 && 
 static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD, int window) {
     plan_t pl;
     pl.threads = THREADS;
-    int64_t total = 0;
-    for (int d = 0; d < num_seqs; d++) total += context_lens[d] - first_key(context_lens[d], window);
-    int64_t chunk = (total + 4 * pl.threads - 1) / (4 * pl.threads);
-    chunk = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;
     pl.first = malloc(sizeof(int) * (num_seqs + 1));
+    int64_t *chunks = malloc(sizeof(int64_t) * (num_seqs ? num_seqs : 1));
     pl.n_items = 0;
     for (int d = 0; d < num_seqs; d++) {
         pl.first[d] = pl.n_items;
         const int64_t n = context_lens[d] - first_key(context_lens[d], window);
-        pl.n_items += n > 0 ? (int)((n + chunk - 1) / chunk) : 0;
+        int64_t chunk = (n + 4 * pl.threads - 1) / (4 * pl.threads);
+        chunks[d] = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;
+        pl.n_items += n > 0 ? (int)((n + chunks[d] - 1) / chunks[d]) : 0;
     }
     pl.first[num_seqs] = pl.n_items;
     pl.items = malloc(sizeof(item_t) * (pl.n_items ? pl.n_items : 1));
     for (int d = 0; d < num_seqs; d++)
         for (int i = pl.first[d]; i < pl.first[d + 1]; i++) {
-            const int64_t t0 = first_key(context_lens[d], window) + (int64_t)(i - pl.first[d]) * chunk, t1 = t0 + chunk;
+            const int64_t t0 = first_key(context_lens[d], window) + (int64_t)(i - pl.first[d]) * chunks[d];
+            const int64_t t1 = t0 + chunks[d];
             pl.items[i] = (item_t){d, t0, t1 < context_lens[d] ? t1 : context_lens[d]};
         }
+    free(chunks);
     pl.part = malloc(sizeof(float) * (int64_t)n_heads * (HD + 2) * (pl.n_items ? pl.n_items : 1));
     return pl;
 }

@@ -78,6 +78,26 @@ def test_decode_kernel_matches_reference(level, dt, shape):
         assert (got[i] - ref).abs().max().item() < 2e-5, f"sequence {i} (context {n})"
 
 
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_a_decode_rows_result_does_not_depend_on_the_rest_of_the_batch(dt):
+    """Bit for bit: a row computed alone, or beside other rows (a speculative verification's rows of one
+    sequence, other sequences long and short), gives the same output: each context is split by its own
+    length only, so drafting never changes a token on a path whose activations are rounded."""
+    nh, nkv, hd, bs = SHAPES[0]
+    g = torch.Generator().manual_seed(7)
+    lens = [700, 701, 702, 703, 704, 3000, 40, 1]          # one sequence's verification rows, then others
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    q = torch.randn(len(lens), nh, hd, generator=g)
+    together = kernels.paged_decode_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt,
+                                              torch.tensor(lens), 0.2)
+    for i, n in enumerate(lens):
+        alone = kernels.paged_decode_attention(q[i:i + 1], layer.k, layer.v, layer.k_scale, layer.v_scale, bt[i:i + 1],
+                                               torch.tensor([n]), 0.2)
+        assert torch.equal(alone[0], together[i]), f"row {i} (context {n})"
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
