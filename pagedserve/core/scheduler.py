@@ -196,8 +196,10 @@ class Scheduler:
         cost, dcost, out = self.spec_cost, self.spec_draft_cost, {}
         # no lookups when not even sure draft tokens pay for their rows (and a draft model's passes)
         k = self.spec.num_speculative_tokens
-        if cost is None or any((base_tokens + m) * (cost(base_rows) + fixed) > base_tokens * (
-                cost(base_rows + m) + fixed + (m * dcost(1) if dcost is not None else 0.0)) for m in range(1, k + 1)):
+        base_s, pass_s = (cost(base_rows) + fixed, dcost(1) if dcost is not None else 0.0) if cost is not None \
+            else (0.0, 0.0)
+        if cost is None or any((base_tokens + m) * base_s > base_tokens * (cost(base_rows + m) + fixed + m * pass_s)
+                               for m in range(1, k + 1)):
             cands = self._candidates(plan)
             if dcost is not None and cost is not None and any(c.setup_s for c in cands):
                 self._spread_readings(cands, base_rows, base_tokens, budget)
@@ -208,7 +210,7 @@ class Scheduler:
                 if self.kv.allocate_slots(cands[i].request, 1 + n):
                     out[cands[i].request.request_id] = tuple(cands[i].draft[:n])
         if not out:
-            self.spec_prior.idle_step(cost(base_rows) + fixed if cost is not None and plan else 0.0)
+            self.spec_prior.idle_step(base_s if plan else 0.0)
         return out
 
     def _spread_readings(self, cands: list[Candidate], base_rows: int, base_tokens: int, budget: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.step import ScheduledSeq, SchedulerOutput
 from pagedserve.model.llama import LlamaForCausalLM
@@ -48,23 +49,20 @@ class DraftRunner:
         """The step's copy-on-write block copies in the draft's pool too (swaps are not mirrored: a
         preempted sequence's draft reads its context again)."""
         if ops.copy:
-            src, dst = zip(*ops.copy)
-            for t in (self.runner.kv_cache, self.runner.kv_scales):
-                if t is not None:
-                    t[:, :, list(dst)] = t[:, :, list(src)]
+            self.runner.apply_block_ops(BlockOps(copy=ops.copy))
 
-    def _pass(self, seqs: list[ScheduledSeq]) -> list[int]:
-        """One forward of the draft over these records (decode rows first); the greedy token of each
-        record that samples, in order."""
+    def _pass(self, seqs: list[ScheduledSeq]) -> list[tuple[str, int]]:
+        """One forward of the draft over these records: (request id, greedy token) of each record that
+        samples."""
         r = self.runner
-        seqs = sorted(seqs, key=lambda s: not s.is_decode)
+        seqs = sorted(seqs, key=lambda s: not s.is_decode)       # the runner's order: decode rows first
         input_ids, positions, md, rows, _, _, _, _ = r.prepare(SchedulerOutput(tuple(seqs)))
         dev = r.device
         hidden = self.model(input_ids.to(dev), positions.to(dev), r.kv_caches, md, None)
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
-        return logits.argmax(dim=-1).tolist()
+        return list(zip((s.request_id for s in seqs if s.sampling is not None), logits.argmax(dim=-1).tolist()))
 
     @torch.inference_mode()
     def propose(self, so: SchedulerOutput) -> SchedulerOutput:
@@ -84,16 +82,14 @@ class DraftRunner:
             pieces.append([ScheduledSeq(s.request_id, c, first + a, s.block_tables[:1],
                                         s.sampling if a + len(c) == len(toks) else None) for a, c in chunks])
         for round_ in range(max(len(p) for p in pieces)):
-            batch = [p[round_] for p in pieces if round_ < len(p)]
-            sampling = [b.request_id for b in sorted(batch, key=lambda b: not b.is_decode) if b.sampling is not None]
-            for rid, tok in zip(sampling, self._pass(batch)):
+            for rid, tok in self._pass([p[round_] for p in pieces if round_ < len(p)]):
                 drafts[rid].append(tok)
         # passes 2..k: each sequence's last draft, one decode row, while it wants more
         for j in range(1, max(s.num_draft for s in todo)):
             batch = [ScheduledSeq(s.request_id, (drafts[s.request_id][-1],), s.start + j, s.block_tables[:1], s.sampling)
                      for s in todo if s.num_draft > j]
-            for b, tok in zip(batch, self._pass(batch)):
-                drafts[b.request_id].append(tok)
+            for rid, tok in self._pass(batch):
+                drafts[rid].append(tok)
         seqs = tuple(replace(s, token_ids=s.token_ids[:1] + tuple(drafts[s.request_id]))
                      if s.request_id in drafts else s for s in so.seqs)
         self.propose_s = time.perf_counter() - t0
