@@ -11,7 +11,7 @@ the server is healthy. Exit status 1 if any of that fails.
 
 Usage: python bench/soak.py [--requests 1000] [--concurrency 16] [--num-kv-blocks 48] [--preemption-mode swap]
        [--kv-cache-dtype int8] [--url URL] [--serve-args "--dtype bfloat16"] [--rss-every 50]
-       [--warmup 500 --max-rss-growth-mb 20]
+       [--warmup 500 --max-rss-growth-mb 20] [--observe]
 """
 from __future__ import annotations
 
@@ -198,6 +198,103 @@ async def stream_one(client, path, p) -> dict:
             "tokens": usage["completion_tokens"]}
 
 
+# ---------------------------------------------------------------- observers (--observe)
+def _metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {name (labels summed): value} for the few series the checks read."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
+def check_scheduler(j: dict, prev: dict | None) -> tuple[str | None, dict]:
+    """/debug/scheduler read between two steps: the queues and the pool agree with each other."""
+    kv, running, waiting = j["kv"], j["running"], j["waiting"]
+    ids = [r["request_id"] for r in running] + [r["request_id"] for r in waiting]
+    if len(ids) != len(set(ids)):
+        return "a request is listed twice (running and waiting, or twice in one queue)", j
+    if not 0 <= kv["blocks_free"] <= kv["blocks_total"]:
+        return f"blocks_free {kv['blocks_free']} outside [0, {kv['blocks_total']}]", j
+    if len(running) > j["limits"]["max_num_seqs"]:
+        return f"{len(running)} running > max_num_seqs {j['limits']['max_num_seqs']}", j
+    if any(not 0 <= r["num_computed_tokens"] <= r["num_tokens"] for r in running):
+        return "a running request computed more tokens than it has", j
+    # blocks in use are held by running requests (waiting ones hold none: recomputed or swapped out);
+    # shared blocks count once per holder, so the holders' sum can only be larger
+    used = kv["blocks_total"] - kv["blocks_free"]
+    if sum(r["blocks"] for r in running) < used:
+        return f"{used} blocks in use but the running requests hold {sum(r['blocks'] for r in running)}", j
+    if prev is not None and j["step"] < prev["step"]:
+        return f"step went back from {prev['step']} to {j['step']}", j
+    return None, j
+
+
+def check_state(j: dict, prev: dict | None) -> tuple[str | None, dict]:
+    """/debug/state: the block map, the queues, the step record and the engine's counters agree."""
+    s, h = j["summary"], j["health"]
+    if s["free"] + s["used"] + s["cached"] + 1 != j["config"]["num_blocks"]:      # + the null block
+        return f"block states {s['free']}+{s['used']}+{s['cached']} + null != {j['config']['num_blocks']}", j
+    if s["running"] != sum(r["queue"] == "running" for r in j["requests"]):
+        return "summary.running differs from the running requests listed", j
+    if j["steps"] and (j["steps"][-1]["step"] != j["step"] or j["steps"][-1]["generated"] > h["generation_tokens"]):
+        return f"the last step record {j['steps'][-1]['step']} is not the engine's step {j['step']}", j
+    if prev is not None:
+        ph = prev["health"]
+        for k in ("generation_tokens", "prompt_tokens", "preemptions"):
+            if h[k] < ph[k]:
+                return f"health.{k} went back from {ph[k]} to {h[k]}", j
+        if sum(h["finished"].values()) < sum(ph["finished"].values()):
+            return "the finished count went back", j
+    return None, j
+
+
+def check_metrics(text: str, prev: dict | None) -> tuple[str | None, dict]:
+    """/metrics: counters never go back; gauges inside their limits."""
+    v = _metric_values(text)
+    if v.get("pagedserve:num_requests_running", 0) > v.get("pagedserve:max_num_seqs", 0):
+        return "num_requests_running > max_num_seqs", v
+    if not 0 <= v.get("pagedserve:kv_blocks_free", 0) <= v.get("pagedserve:kv_blocks_total", 0):
+        return "kv_blocks_free outside [0, kv_blocks_total]", v
+    if prev is not None:
+        for k in ("pagedserve:generation_tokens_total", "pagedserve:prompt_tokens_total",
+                  "pagedserve:num_preemptions_total", "pagedserve:request_success_total"):
+            if v.get(k, 0) < prev.get(k, 0):
+                return f"{k} went back from {prev.get(k)} to {v.get(k)}", v
+    return None, v
+
+
+OBSERVED = {"/metrics": check_metrics, "/debug/scheduler": check_scheduler, "/debug/state": check_state}
+
+
+async def observe(client: httpx.AsyncClient, done: asyncio.Event) -> dict:
+    """Read /metrics, /debug/scheduler and /debug/state as fast as they answer (one reader each,
+    reads back to back) until `done`: every answer a 200 whose snapshot is consistent in itself and
+    with the reader's previous one (counters never go back)."""
+    reads, bad, inconsistent = collections.Counter(), [], []
+
+    async def reader(path, check):
+        prev = None
+        while not done.is_set():
+            try:
+                r = await client.get(path, timeout=60)
+            except httpx.HTTPError as e:
+                bad.append({"path": path, "error": repr(e)})
+                continue
+            reads[path] += 1
+            if r.status_code != 200:
+                bad.append({"path": path, "status": r.status_code, "detail": r.text[:200]})
+                continue
+            problem, prev = check(r.text if path == "/metrics" else r.json(), prev)
+            if problem:
+                inconsistent.append({"path": path, "problem": problem})
+    await asyncio.gather(*(reader(p, c) for p, c in OBSERVED.items()))
+    return {"reads": dict(reads), "non_200": bad[:20], "num_non_200": len(bad), "inconsistent": inconsistent[:20],
+            "num_inconsistent": len(inconsistent)}
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -249,10 +346,14 @@ async def soak(base: str, a, pid: int | None = None) -> dict:
             if pid and finished % a.rss_every == 0:
                 rss.append((finished, rss_sample(pid)))
             return res
+        done = asyncio.Event()
+        watch = asyncio.ensure_future(observe(client, done)) if a.observe else None
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in plans))
         wall = time.perf_counter() - t0
-    return {"results": results, "wall_s": wall, "plans": plans, "rss": rss}
+        done.set()
+        observed = await watch if watch is not None else None
+    return {"results": results, "wall_s": wall, "plans": plans, "rss": rss, "observed": observed}
 
 
 def settle(base: str, timeout_s: float = 30.0) -> dict:
@@ -282,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rss-growth-mb", type=float, default=None,
                     help="fail when the RSS floor of any process of the server rises more than this after --warmup "
                          "requests (rss_growth)")
+    ap.add_argument("--observe", action="store_true", help="read /metrics, /debug/scheduler and /debug/state as "
+                    "fast as they answer during the soak: every read a 200 and consistent (observe)")
     ap.add_argument("--model", default=None, help="the server's model (default: its default model)")
     ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags for the path soaked, "
                                                       "e.g. '--dtype bfloat16' or '--quantization gguf'")
@@ -333,6 +436,9 @@ def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
     held = {k: v for k, v in dbg.get("held", {}).items() if v and k != "async.deadlines"}
     if held:
         failures.append({"held_after_idle": held})
+    obs = run["observed"]
+    if obs is not None and (obs["num_non_200"] or obs["num_inconsistent"]):
+        failures.append({"observers": {k: obs[k] for k in ("non_200", "inconsistent")}})
     growth = rss_growth(run["rss"], a.warmup)
     if a.max_rss_growth_mb is not None and growth is not None and max(growth.values()) > a.max_rss_growth_mb:
         failures.append({"rss_growth_mb": growth, "allowed": a.max_rss_growth_mb, "after_requests": a.warmup})
@@ -347,7 +453,7 @@ def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
         "latency_p99_s": round(pct(lat, 99) or 0, 2), "output_tokens": sum(r.get("tokens", 0) for r in res),
         "rss_before_mb": rss0 and round(rss0 / 2**20), "rss_after_mb": rss1 and round(rss1 / 2**20),
         "rss_growth_after_warmup_mb": growth, "held_after_idle": dbg.get("held"), "serve_args": a.serve_args,
-        "rss_mb": run["rss"],
+        "rss_mb": run["rss"], "observed": obs,
         "outcomes": dict(outcomes), "failures": failures[:20],
     }
 

@@ -15,6 +15,7 @@ from pagedserve.entrypoints.protocol import (DetokenizeRequest, LoadLoRAAdapterR
                                              UnloadLoRAAdapterRequest, message_dict)
 from pagedserve.entrypoints.responses import state as _state
 from pagedserve.entrypoints.http_errors import RequestError, error_response
+from pagedserve.errors import EngineDeadError
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -77,22 +78,36 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, http: Request):
 
 @router.get("/metrics")
 async def prometheus(http: Request):
+    """The registry, with the gauges an idle engine does not step to update refreshed first in the
+    engine thread (between steps: nothing here reads the scheduler or the KV manager while they
+    change). A dead engine's last values are still served."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     st = _state(http)
-    st.metrics.refresh(st.engine)
+    if st.aengine.dead is None:
+        try:
+            await st.aengine.call(lambda: st.metrics.refresh(st.engine))
+        except EngineDeadError:
+            pass
     return PlainTextResponse(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/debug/scheduler")
 async def debug_scheduler(http: Request):
+    """The queues, the pool and every request-keyed structure's size, read in the engine thread."""
     st = _state(http)
+    return await st.aengine.call(lambda: scheduler_snapshot(st))
+
+
+def scheduler_snapshot(st) -> dict:
+    """/debug/scheduler's body; engine thread only (AsyncLLMEngine.call)."""
     eng = st.engine
     sch, kv = eng.scheduler, eng.kv
-    waiting = sorted(list(sch.waiting), key=lambda x: x[0])
+    waiting = sorted(sch.waiting, key=lambda x: x[0])
     return {
+        "step": eng.counters.steps,
         "running": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
                      "num_computed_tokens": r.num_computed_tokens,
-                     "num_tokens": r.num_tokens, "blocks": kv.num_live_blocks(r.request_id)} for r in list(sch.running)],
+                     "num_tokens": r.num_tokens, "blocks": kv.num_live_blocks(r.request_id)} for r in sch.running],
         "waiting": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
                      "status": r.status.value, "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)}
                     for _, r in waiting],
