@@ -83,11 +83,16 @@ class Scheduler:
         self.step_cost: Callable[[list[tuple[int, int, int]]], float] | None = None
         self.last_limits: dict[str, str] = {}     # class name -> the limit that held it back in the last step
         self._num_admitted = 0                    # waiting requests admitted in the step being formed
+        # sequences that ended (any way) since the last schedule(): the next SchedulerOutput names them, so
+        # the runner and the sampler drop what they keep per sequence (at most the requests of one step
+        # plus those aborted or failed between two steps)
+        self.finished_ids: list[str] = []
 
     def held(self) -> dict[str, int]:
         """Per-request entries (none once every request has finished)."""
         return {"scheduler.requests": len(self.requests), "scheduler.running": len(self.running),
-                "scheduler.waiting": len(self.waiting), "scheduler.static_batch": len(self.static_batch)}
+                "scheduler.waiting": len(self.waiting), "scheduler.static_batch": len(self.static_batch),
+                "scheduler.finished_ids": len(self.finished_ids)}
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -180,8 +185,9 @@ class Scheduler:
         constrained = tuple(s.request_id for s in seqs if s.sampling is not None
                             and self.requests[s.request_id].grammar is not None)
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
+        finished, self.finished_ids = tuple(self.finished_ids), []
         return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
-                               num_admitted=self._num_admitted)
+                               num_admitted=self._num_admitted, finished_req_ids=finished)
 
     def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
         """Speculative decoding: draft tokens for the step's decodes, from what is left of the token
@@ -568,6 +574,7 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self.static_batch.discard(req.request_id)
+        self.finished_ids.append(req.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

@@ -111,6 +111,7 @@ class SchedulerOutput:
     grammar_rows: tuple[str, ...] = ()         # sequences constrained by a grammar, in bitmask row order
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
     num_admitted: int = 0                      # waiting requests that joined the batch this step
+    finished_req_ids: tuple[str, ...] = ()     # sequences that ended since the last step: their state is dropped
 
     def for_workers(self) -> SchedulerOutput:
         """The record broadcast to tensor-parallel ranks > 0: everything the forward and the LM head

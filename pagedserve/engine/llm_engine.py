@@ -196,7 +196,7 @@ class LLMEngine:
             chunk_s = min(run(n, chunk=True), run(n, chunk=True))
         finally:
             self.kv.pool.free_blocks(blocks)
-            self.runner.sampler.forget("spec-profile")
+            self.executor.execute(SchedulerOutput(finished_req_ids=("spec-profile",)))
         # a prefill chunk's row: what an n-row chunk costs beyond a one-row step, a row
         self.scheduler.spec_prefill_row_s = max(0.0, chunk_s - seconds[0]) / (n - 1)
         return StepCostTable(rows, seconds)
@@ -432,7 +432,6 @@ class LLMEngine:
             return None
         for seq in st.seqs:
             self.scheduler.abort(seq.request.request_id)
-            self.runner.sampler.forget(seq.request.request_id)
         if self._retired_loras:
             self._drop_retired_loras()
         self.counters.count_finish("abort")
@@ -446,7 +445,6 @@ class LLMEngine:
         st.error = error
         for seq in st.seqs:
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ERROR)
-            self.runner.sampler.forget(seq.request.request_id)
         self.counters.count_finish("error")
         return self.outputs.output(st)
 
@@ -457,7 +455,9 @@ class LLMEngine:
                 **self.runner.sampler.held()}
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        """Requests in flight, or sequences that ended since the last step (one more step tells the
+        runner to drop their state)."""
+        return bool(self.states) or bool(self.scheduler.finished_ids)
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -465,10 +465,14 @@ class LLMEngine:
         (finish reason "error") and frees their blocks; a fault in the scheduler leaves its state
         unknown and raises EngineDeadError."""
         t0 = time.perf_counter()
+        idle = not self.states                  # only ended sequences to report: no step to count
         try:
             so = self.last_schedule = self.scheduler.schedule()
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
+        if idle:
+            self.executor.execute(so)
+            return []
         try:
             ro = self.executor.execute(so)
             outs = [self.outputs.output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
@@ -513,7 +517,6 @@ class LLMEngine:
             touched[st.request_id] = st
             self.outputs.observe(st, u, ro.sampled[u.row_id][u.sample_index])
             if u.request.status.finished:
-                self.runner.sampler.forget(u.request.request_id)
                 if u.request.pooling is not None and st.pool_sum is not None:
                     st.embedding = _pooled(st, u.request.pooling)
         return list(touched.values())

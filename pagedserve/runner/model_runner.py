@@ -201,6 +201,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        for rid in so.finished_req_ids:           # ended since the last step: nothing of theirs is kept
+            self.sampler.forget(rid)
         self.apply_block_ops(so.block_ops)
         if not so.seqs:
             return out

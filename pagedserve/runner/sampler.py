@@ -31,7 +31,9 @@ class Sampler:
         self.draw_states: dict[str, list[torch.Tensor]] = {}   # speculative seeded rows: the state before each draw
 
     def forget(self, request_id: str) -> None:
+        """A sequence ended (SchedulerOutput.finished_req_ids): drop its generator."""
         self.req_generators.pop(request_id, None)
+        self.draw_states.pop(request_id, None)
 
     def verify(self, request_id: str, draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
         """A speculative sequence's tokens from this call's samples of its rows (accepted_run). A seeded
@@ -45,7 +47,7 @@ class Sampler:
         return run
 
     def held(self) -> dict[str, int]:
-        return {"sampler.req_generators": len(self.req_generators)}
+        return {"sampler.req_generators": len(self.req_generators), "sampler.draw_states": len(self.draw_states)}
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         if row.generator_seed is None:

@@ -82,5 +82,7 @@ def test_fail_request_and_abort_are_distinct(engine):
     assert failed.finished and failed.error.kind == "timeout" and failed.outputs[0].finish_reason == "error"
     assert aborted.finished and aborted.error is None and aborted.outputs[0].finish_reason == "abort"
     assert eng.fail_request("a", RequestFailure("timeout", "again")) is None
-    assert not eng.has_unfinished_requests()
+    assert eng.has_unfinished_requests() and eng.held()["scheduler.finished_ids"] == 2   # a step tells the runner
+    assert eng.step() == [] and eng.counters.steps == 1                  # ... and is not counted as a step
+    assert not eng.has_unfinished_requests() and not any(eng.held().values())
     assert eng.scheduler.requests == {} and RequestStatus.FINISHED_ERROR.finished

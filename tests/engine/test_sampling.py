@@ -139,3 +139,22 @@ def test_sampled_tokens_follow_the_distribution(temperature, top_k):
     expected = p[p > 0] * counts.sum()
     chi2 = ((counts[p > 0] - expected) ** 2 / expected).sum().item()
     assert chi2 < {7: 35.3, 2: 27.6}[int((p > 0).sum()) - 1], (chi2, counts.tolist(), expected.tolist())
+
+
+def test_ended_sequences_reach_the_runner_through_the_schedule(llm):
+    """A seeded request's generator lives in the runner's sampler; the scheduler names every sequence
+    that ended (finished, aborted or failed) in the next SchedulerOutput, and the runner drops it."""
+    eng = llm.engine
+    eng.add_request("seeded", PROMPT, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
+    eng.add_request("cut", PROMPT, SamplingParams(temperature=1.0, seed=4, max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.runner.sampler.held()["sampler.req_generators"] == 3         # two forks and "cut"
+    eng.abort("cut")
+    assert eng.scheduler.finished_ids == ["cut"]
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen += eng.last_schedule.finished_req_ids
+    assert len(seen) == 3 and {"cut", "seeded"} < set(seen)                # "cut", then both samples
+    assert not any(eng.held().values()), eng.held()
