@@ -1,9 +1,11 @@
 """AsyncLLMEngine: the engine steps in its own thread; each request gets an asyncio stream.
 
 HTTP handlers never block the step loop: they hand work to the engine thread over one
-thread-safe queue and read outputs from a per-request `RequestStream` fed with
-loop.call_soon_threadsafe. Everything that changes engine state (add, abort, fail, time out)
-runs in the engine thread, between steps.
+thread-safe queue and read outputs from a per-request `RequestStream`. After each step the engine
+thread hands the step's outputs to the event loop once (one loop.call_soon_threadsafe per step, not
+per request); a stream whose client has not taken its last delta yet gets the new one merged into it
+(a lagging client receives fewer, larger chunks; nothing queues up behind it). Everything that changes
+engine state (add, abort, fail, time out) runs in the engine thread, between steps.
 
 Failures stay local and are reported as failures: a fault in a step fails the requests of that
 step (LLMEngine.step); a request older than `request_timeout_s` fails with a timeout; if the
@@ -17,12 +19,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.lora_request import LoRARequest
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import RequestFailure, RequestOutput
+from pagedserve.engine.outputs import RequestFailure, RequestOutput, merge_deltas
 from pagedserve.errors import EngineDeadError
 from pagedserve.sampling_params import SamplingParams
 
@@ -33,18 +36,33 @@ DEADLINES_SLACK = 64        # stale deadline entries tolerated before the heap i
 
 class RequestStream:
     """One request's outputs in order; the last one is finished. `abort()` (the client went away)
-    ends the request in the engine; its final output then says "abort"."""
+    ends the request in the engine; its final output then says "abort". The event loop's side of
+    the hand-off: `push` (in the loop) keeps at most one pending delta per streaming request, merging
+    a new one into a delta not taken yet."""
 
-    def __init__(self, aengine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, aengine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 coalesce: bool = True):
         self.request_id = request_id
         self.loop = loop
         self.finished = False
         self._aengine = aengine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._coalesce = coalesce                 # deltas (streaming): merge what the client has not taken
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Called from the engine thread."""
-        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        """Called from the engine thread (one item; a step's outputs go through AsyncLLMEngine._deliver)."""
+        self.loop.call_soon_threadsafe(self.push, item)
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """In the event loop."""
+        items = self._items
+        if self._coalesce and items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+            items[-1] = merge_deltas(items[-1], item)
+        else:
+            items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -52,7 +70,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -62,6 +86,11 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self._aengine.abort(self.request_id)
+
+
+def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.push(out)
 
 
 @dataclass(slots=True)
@@ -135,7 +164,7 @@ class AsyncLLMEngine:
         EngineDeadError. Iterate the returned stream for its outputs: deltas after every step when
         `stream`, else one full output at the end."""
         loop = asyncio.get_running_loop()
-        rs = RequestStream(self, request_id, loop)
+        rs = RequestStream(self, request_id, loop, coalesce=stream)
         sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream, traffic_class,
                       lora_request)
         with self._lock:
@@ -263,10 +292,13 @@ class AsyncLLMEngine:
                 self.on_step(self.engine, outs)
             except Exception:
                 log.exception("on_step callback failed (metrics); serving goes on")
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():          # one hand-off per step (per event loop: the server has one)
+            loop.call_soon_threadsafe(_push_all, items)
 
     def _die(self, e: BaseException) -> None:
         err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine thread died: {type(e).__name__}: {e}")

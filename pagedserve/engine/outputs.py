@@ -1,7 +1,7 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput, and per-step statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedserve.runner.sampler import Logprob
 
@@ -54,6 +54,22 @@ class RequestOutput:
     # a stream carries it once, in the first output after the prompt is done
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None     # an embedding request (PoolingParams): the pooled vector, once finished
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two successive deltas of one streaming request as one delta (what a client that fell behind
+    receives): each sequence's text, tokens and logprobs joined, the later finish state and metrics."""
+    earlier = {o.index: o for o in a.outputs}
+    outs = []
+    for o in b.outputs:
+        p = earlier.pop(o.index, None)
+        if p is not None:
+            o = replace(o, text=p.text + o.text, token_ids=p.token_ids + o.token_ids,
+                        logprobs=None if o.logprobs is None else (p.logprobs or []) + o.logprobs)
+        outs.append(o)
+    outs = sorted(outs + list(earlier.values()), key=lambda o: o.index)
+    return replace(b, outputs=outs, prompt_logprobs=b.prompt_logprobs if b.prompt_logprobs is not None
+                   else a.prompt_logprobs)
 
 
 @dataclass(slots=True)

@@ -135,6 +135,10 @@ async def deltas(streams: list[RequestStream], usage: Usage) -> AsyncIterator[tu
     (its prompt logprobs and counts), then each sequence's delta worth a chunk (text, or finished),
     or a RequestError that ends that prompt's stream. Textless tokens (a partial character) are carried
     into the next chunk of the same sequence."""
+    if len(streams) == 1:               # one prompt (nearly every request): no pump task, no second queue
+        async for item in _stream_deltas(0, streams[0], usage):
+            yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 

@@ -58,6 +58,8 @@ class StepTrace:
 
     def record(self, engine) -> None:
         so = engine.last_schedule
+        if not so.seqs:                  # nothing ran (a step that only told the runner which sequences ended)
+            return
         seqs = [[s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0] for s in so.seqs]
         self.file.write(json.dumps({"step_s": engine.last_stats.step_s, "seqs": seqs}) + "\n")
 

@@ -51,3 +51,37 @@ def test_stream_deltas_with_n2_and_stop_strings(llm):
     ref = full.generate(["Once upon a time"], sp, use_tqdm=False)[0]
     for c in ref.outputs:
         assert "".join(pieces[c.index]) == c.text and toks[c.index] == c.token_ids
+
+
+def test_a_lagging_stream_gets_its_deltas_merged(tiny_engine):
+    """AsyncLLMEngine hands a step's outputs to the event loop once; a stream whose reader has not
+    taken its last delta gets the next merged into it: a reader that lags receives fewer chunks whose
+    tokens, logprobs and text add up to exactly what a prompt reader (and a non-streaming request) gets."""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    sp = SamplingParams(n=2, max_tokens=300, ignore_eos=True, temperature=1.0, seed=5, logprobs=1)
+
+    async def run():
+        aeng = AsyncLLMEngine(tiny_engine)
+        try:
+            prompt_reader = [o async for o in await aeng.add_request("quick", [1, 2, 3], sp)]
+            slow = await aeng.add_request("slow", [1, 2, 3], sp)
+            lagged = []
+            async for o in slow:
+                lagged.append(o)
+                await asyncio.sleep(0.05)          # a client slower than the engine's steps
+            whole = [o async for o in await aeng.add_request("whole", [1, 2, 3], sp, stream=False)]
+        finally:
+            aeng.shutdown()
+        return prompt_reader, lagged, whole
+    quick, lagged, whole = asyncio.run(run())
+    assert len(whole) == 1 and len(lagged) < len(quick) / 3         # merged: far fewer chunks
+    for i in range(2):
+        def joined(outs, f):
+            return [x for o in outs for c in o.outputs if c.index == i for x in getattr(c, f)]
+        want = next(c for c in whole[0].outputs if c.index == i)
+        for outs in (quick, lagged):
+            assert joined(outs, "token_ids") == want.token_ids and len(joined(outs, "logprobs")) == 300
+            assert "".join(c.text for o in outs for c in o.outputs if c.index == i) == want.text
+        assert [c.finish_reason for c in lagged[-1].outputs] == ["length", "length"]

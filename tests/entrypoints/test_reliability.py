@@ -185,6 +185,8 @@ def test_dead_engine_fails_every_client_at_once(served, engine, monkeypatch):
     # the engine's own state is what died with it: clear it so the shared fixture's check holds
     for rid in list(engine.states):
         engine.abort(rid)
+    monkeypatch.undo()
+    engine.step()                      # tells the runner which sequences ended
 
 
 def test_non_stream_disconnect_is_clean(served, engine, caplog):
