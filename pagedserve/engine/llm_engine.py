@@ -420,9 +420,9 @@ class LLMEngine:
                                                f"{self.model_config.hidden_size})")
         return PoolingParams(kind, normalize, p.dimensions)
 
-    def precompile(self, params: SamplingParams) -> None:
+    def precompile(self, params: SamplingParams | PoolingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             self.scheduler.grammar.precompile(params.structured_outputs)
 
     def abort(self, request_id: str) -> RequestOutput | None:

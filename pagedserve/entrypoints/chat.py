@@ -3,17 +3,15 @@
 SSE chunks."""
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, chat_logprobs, check_n, collect, deltas, model_name, sse, state,
-                                              submit, traffic_class, usage_of)
+from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, collect, deltas, model_name, sse, state,
+                                              usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -30,26 +28,26 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     if grammar is not None and body.response_format is not None and body.response_format.type != "text":
         raise RequestError("response_format", "response_format: not with tool_choice 'required' or a named tool "
                                               "(the output is already the tool call's JSON)")
-    check_n(st, body.n)
     top = body.top_logprobs
     params = to_sampling_params(body, body.max_completion_tokens or body.max_tokens,
                                 (top or 0) if body.logprobs else None, constraint=grammar)
-    try:
-        msgs = [message_dict(m) for m in body.messages]
-        ids = await asyncio.to_thread(apply_chat_template, st.engine.tokenizer, msgs, body.add_generation_prompt,
+
+    def prompt() -> list[dict]:
+        try:
+            msgs = [message_dict(m) for m in body.messages]
+            ids = apply_chat_template(st.engine.tokenizer, msgs, body.add_generation_prompt,
                                       tools=tool_calls.template_tools(body, mode), chat_template=st.chat_template,
                                       continue_final_message=body.continue_final_message,
                                       **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}),
                                       **(body.chat_template_kwargs or {}))
-    except (ValueError, TypeError) as e:
-        raise RequestError(getattr(e, "param", "messages"), str(e)) from None
-    await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body), model=body.model)
+        except (ValueError, TypeError) as e:
+            raise RequestError(getattr(e, "param", "messages"), str(e)) from None
+        return [{"prompt_token_ids": ids}]
+    rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt)
     created = int(time.time())
     if body.stream:
-        return sse(_chunks(st, rid, created, streams, body, top or 0, mode, len(ids)), streams)
+        n_prompt = len(prompts[0]["prompt_token_ids"])
+        return sse(_chunks(st, rid, created, streams, body, top or 0, mode, n_prompt), streams)
     out, = await collect(http, streams)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model_name(st, body.model),
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],

@@ -4,16 +4,14 @@ choice index = prompt index * n + sample), `echo` (the prompt first, with its to
 generated), `logprobs` with tokens, token_logprobs, top_logprobs and text_offset."""
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, check_n, collect, completion_logprobs, deltas, model_name, sse,
-                                              state, submit, traffic_class, usage_of)
+from pagedserve.entrypoints.responses import (Usage, admit, collect, completion_logprobs, deltas, model_name, sse,
+                                              state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 
@@ -32,16 +30,11 @@ async def completions(body: CompletionRequest, http: Request):
         max_tokens = body.max_completion_tokens
     if max_tokens == 0 and not body.echo:
         raise RequestError("max_tokens", "max_tokens: 0 is only allowed with echo (score the prompt, generate nothing)")
-    check_n(st, body.n)
     echo_only = body.echo and max_tokens == 0
     # echo_only still samples one token (the last prompt row's logits are computed anyway); it is dropped
     params = to_sampling_params(body, 1 if echo_only else max_tokens, body.logprobs,
                                 prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
-    prompts = await asyncio.to_thread(tokenize_prompts, st, body.prompt)
-    await asyncio.to_thread(st.engine.precompile, params)    # a bad schema is a 400 before anything runs
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await submit(st, rid, prompts, params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body), model=body.model)
+    rid, prompts, streams = await admit(st, http, body, "cmpl-", params, lambda: tokenize_prompts(st, body.prompt))
     created = int(time.time())
     if body.stream:
         return sse(_chunks(st, rid, created, streams, body, prompts, echo_only), streams)

@@ -3,9 +3,7 @@
 base64 (little-endian float32, as OpenAI's), `dimensions` where the model was trained for it."""
 from __future__ import annotations
 
-import asyncio
 import base64
-import uuid
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -13,7 +11,7 @@ from fastapi import APIRouter, Request
 from pagedserve.entrypoints.completions import tokenize_prompts
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.protocol import EmbeddingRequest
-from pagedserve.entrypoints.responses import collect, model_name, state, submit, traffic_class
+from pagedserve.entrypoints.responses import admit, collect, model_name, state
 from pagedserve.errors import ParamError
 from pagedserve.sampling_params import PoolingParams
 
@@ -23,11 +21,9 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, http: Request):
     st = state(http)
-    prompts = await asyncio.to_thread(tokenize_prompts, st, body.input, "input")
-    rid = f"embd-{uuid.uuid4().hex}"
     try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
-        streams = await submit(st, rid, prompts, PoolingParams(dimensions=body.dimensions), body.priority,
-                               stream=False, klass=traffic_class(http, body), model=body.model)
+        rid, prompts, streams = await admit(st, http, body, "embd-", PoolingParams(dimensions=body.dimensions),
+                                            lambda: tokenize_prompts(st, body.input, "input"))
     except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
         raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
     outs = await collect(http, streams)

@@ -1,4 +1,5 @@
-"""What the OpenAI routes share: submitting a request's prompts (one engine request each), collecting
+"""What the OpenAI routes share: admitting a request (`admit`: one order of checks, tokenizing and
+compiling off the event loop, one engine request per prompt), collecting
 their outputs or streaming their deltas (several prompts' streams merged), failures answered as
 failures (a 5xx / 408 in OpenAI's error JSON, or an SSE `error` event before `[DONE]`, never a
 finished completion), usage, and the logprobs shapes of both APIs."""
@@ -6,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from fastapi import Request
@@ -55,6 +57,25 @@ def lora_of(st: ServerState, model: str | None) -> LoRARequest | None:
 def model_name(st: ServerState, model: str | None) -> str:
     """The `model` a response names: the LoRA adapter the request ran with, else the served model."""
     return st.model_name if lora_of(st, model) is None else model
+
+
+async def admit(st: ServerState, http: Request, body, prefix: str, params,
+                prompts: Callable[[], list[dict]]) -> tuple[str, list[dict], list[RequestStream]]:
+    """The admission every generating route shares, in one order: `n` against max_num_seqs; the
+    prompts (`prompts()`: tokenizing or a chat template, raising a RequestError naming its field) and
+    the constraint's compilation in one worker thread, never the engine's; then one engine request
+    per prompt (`submit`). Returns the request id (`prefix` + a uuid), the prompts and their streams."""
+    check_n(st, getattr(body, "n", 1))
+
+    def prepare() -> list[dict]:
+        ps = prompts()
+        st.engine.precompile(params)          # a bad schema is a 400 before anything runs
+        return ps
+    ps = await asyncio.to_thread(prepare)
+    rid = f"{prefix}{uuid.uuid4().hex}"
+    streams = await submit(st, rid, ps, params, body.priority, stream=getattr(body, "stream", False),
+                           klass=traffic_class(http, body), model=body.model)
+    return rid, ps, streams
 
 
 async def submit(st: ServerState, rid: str, prompts: list[dict], params, priority: int,

@@ -12,7 +12,6 @@ Responses are kept for `previous_response_id` and GET unless `store` is false, i
 count and bytes (`ResponseStore`: the oldest go first)."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import time
@@ -27,7 +26,7 @@ from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, NamedFunction,
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
                                              to_sampling_params)
-from pagedserve.entrypoints.responses import Usage, collect, deltas, model_name, sse, state, submit, traffic_class
+from pagedserve.entrypoints.responses import Usage, admit, collect, deltas, model_name, sse, state
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -202,15 +201,15 @@ async def create_response(body: ResponsesRequest, http: Request):
     msgs = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + convo
     if not msgs:
         raise RequestError("input", "input: needs at least one message")
-    try:
-        ids = await asyncio.to_thread(apply_chat_template, st.engine.tokenizer, msgs, True,
-                                      tools=tool_calls.template_tools(chat, mode), chat_template=st.chat_template)
-    except (ValueError, TypeError) as e:
-        raise RequestError("input", str(e)) from None
-    await asyncio.to_thread(st.engine.precompile, params)
-    rid = f"resp_{uuid.uuid4().hex}"
-    streams = await submit(st, rid, [{"prompt_token_ids": ids}], params, body.priority, stream=body.stream,
-                           klass=traffic_class(http, body), model=body.model)
+
+    def prompt() -> list[dict]:
+        try:
+            return [{"prompt_token_ids": apply_chat_template(st.engine.tokenizer, msgs, True, chat_template=st.chat_template,
+                                                             tools=tool_calls.template_tools(chat, mode))}]
+        except (ValueError, TypeError) as e:
+            raise RequestError("input", str(e)) from None
+    rid, prompts, streams = await admit(st, http, body, "resp_", params, prompt)
+    ids = prompts[0]["prompt_token_ids"]
     shell = _shell(st, body, rid, int(time.time()))
     if body.stream:
         return sse(_events(st, body, chat, mode, shell, convo, streams, len(ids)), streams, event_lines=True)
