@@ -230,3 +230,46 @@ def test_snapshot_shows_swapped_requests_with_their_host_blocks():
             assert snap["summary"]["host_blocks_used"] == sum(len(r["host_blocks"]) for r in swapped)
             assert snap["config"]["num_host_blocks"] > 0
     assert seen is not None and snapshot(eng, rec)["summary"]["used"] == 0
+
+
+def test_dashboard_aggregates_a_large_pool_and_sizes_its_charts(tmp_path, tokenizer):
+    """A pool of the default server's size (11,650 blocks here) is drawn with one cell per run of k
+    blocks, and says so; the cells' counts add up to the frame's summary; every chart is drawn at its
+    panel's width (not a fixed bitmap stretched); the latency histograms mark p50 and p99."""
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    from tests.model.helpers import save_random_llama
+    engine = LLMEngine(EngineArgs(model=save_random_llama(tmp_path / "m", tokenizer), num_kv_blocks=11650,
+                                  max_num_seqs=8, dtype="float32"))
+    app = build_app(engine, api_key=KEY)
+    with serve_in_thread(app) as base:
+        driver = _driver()
+        try:
+            driver.get(base + f"/dashboard#key={KEY}")
+            t = workload(base, n=8, max_tokens=400)
+            deadline, seen = time.time() + 60, None
+            while time.time() < deadline and t.is_alive():
+                seen = driver.execute_script("""
+                    const cells = [...document.querySelectorAll('#blocks .blk')], s = window.dash.snap;
+                    if (!s) return null;
+                    const sum = f => cells.reduce((a, c) => a + (+c.dataset[f] || 0), 0);
+                    return {cells: cells.length, blocks: sum('blocks'), used: sum('used'), cached: sum('cached'),
+                            summary: s.summary, n: s.blocks.state.length,
+                            info: document.getElementById('blockinfo').textContent};""")
+                if seen and seen["summary"]["used"]:
+                    break
+                time.sleep(0.2)
+            assert seen and seen["summary"]["used"] > 0, seen
+            assert seen["n"] == 11650 and seen["cells"] <= 1536 and seen["blocks"] == seen["n"], seen
+            assert seen["used"] == seen["summary"]["used"] and seen["cached"] == seen["summary"]["cached"], seen
+            assert "each cell is 8 blocks" in seen["info"], seen["info"]
+            t.join()
+            sizes = driver.execute_script("""return ['timeline', 'usage', 'lat'].map(id => {
+                const c = document.getElementById(id), r = window.devicePixelRatio || 1;
+                return [c.width, Math.round(c.clientWidth * r), c.height, Math.round(c.clientHeight * r)]; });""")
+            assert all(w == cw and h == ch and w > 300 for w, cw, h, ch in sizes), sizes
+            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert not errors and not driver.execute_script("return window.dash.errors"), errors
+            assert driver.execute_script("return window.dash.snap.health.tpot_s.n") > 0      # histograms drawn
+        finally:
+            driver.quit()
