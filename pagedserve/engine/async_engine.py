@@ -298,7 +298,13 @@ class AsyncLLMEngine:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():          # one hand-off per step (per event loop: the server has one)
-            loop.call_soon_threadsafe(_push_all, items)
+            try:
+                loop.call_soon_threadsafe(_push_all, items)
+            except RuntimeError:                     # that event loop is closed: nobody reads these streams
+                for stream, out in items:
+                    self._streams.pop(stream.request_id, None)
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
 
     def _die(self, e: BaseException) -> None:
         err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine thread died: {type(e).__name__}: {e}")

@@ -471,7 +471,12 @@ class LLMEngine:
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
         if idle:
-            self.executor.execute(so)
+            try:
+                self.executor.execute(so)
+            except EngineDeadError:
+                raise
+            except Exception:               # nothing ran: what it could not drop stays (bounded by the ended)
+                log.exception("telling the runner which sequences ended failed")
             return []
         try:
             ro = self.executor.execute(so)
