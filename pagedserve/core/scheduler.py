@@ -555,15 +555,11 @@ class Scheduler:
             self.finish(req, status)
         return SeqUpdate(req, row_id, k, tok, status is not None, forked)
 
-    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """Leave the batch now: free blocks, drop from whichever queue holds it. On a request that
-        already finished this only corrects the reason (a stop string found in the text of the
-        token that also ended it by length)."""
-        if stop_reason is not None:
-            req.stop_reason = stop_reason
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Leave the batch now: free blocks, drop from whichever queue holds it (a no-op on a request
+        that already finished). The one way a sequence ends: by its tokens here, a stop string found
+        by the output processor, an abort or a failure."""
         if req.status.finished:
-            if status is RequestStatus.FINISHED_STOPPED and req.status is RequestStatus.FINISHED_LENGTH:
-                req.status = status
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

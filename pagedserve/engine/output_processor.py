@@ -29,6 +29,7 @@ class SeqOutput:
     logprobs: list | None = None
     cum_logprob: float = 0.0
     sent_tokens: int = 0                        # tokens already handed out (streams)
+    stop: str | None = None                     # the stop string found in its text (finish reason "stop")
 
     def add_text(self, delta: str) -> None:
         self.pending += delta
@@ -106,20 +107,25 @@ class OutputProcessor:
             if p.stop and delta and req.num_output_tokens >= p.min_tokens:
                 self._check_stop_strings(seq, len(delta))
         if req.status.finished:
-            self.counters.count_finish(req.status.value)
-            if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH:
+            self.counters.count_finish("stop" if seq.stop is not None else req.status.value)
+            if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH and seq.stop is None:
                 seq.add_text(seq.detok.flush())
             if seq.detok is None and p.detokenize:
                 seq.add_text(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens))
         seq.settle()
 
     def _check_stop_strings(self, seq: SeqOutput, delta_len: int) -> None:
+        """A stop string in the text ends the sequence: the text is cut here and the finish reason is
+        this processor's ("stop", the string); the core is asked to end the sequence unless the same
+        token already ended it (by length or EOS), whose label stays the core's own."""
         text, p = seq.pending, seq.request.params
         for stop in p.stop:
             k = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
             if k >= 0:
                 seq.pending = text[: k + len(stop)] if p.include_stop_str_in_output else text[:k]
-                self.scheduler.finish(seq.request, RequestStatus.FINISHED_STOPPED, stop)
+                seq.stop = stop
+                if not seq.request.status.finished:
+                    self.scheduler.finish(seq.request, RequestStatus.FINISHED_STOPPED)
                 return
 
     def output(self, st: RequestState) -> RequestOutput:
@@ -137,10 +143,11 @@ class OutputProcessor:
                 seq.sent_tokens = r.num_output_tokens
             else:
                 text, start = "".join(seq.parts), 0
+            reason = None if not r.status.finished else "stop" if seq.stop is not None else r.status.value
             outs.append(CompletionOutput(i, text, r.output_token_ids[start:],
                                          seq.cum_logprob if seq.logprobs is not None else None,
                                          None if seq.logprobs is None else seq.logprobs[start:],
-                                         r.status.value if r.status.finished else None, r.stop_reason))
+                                         reason, seq.stop if seq.stop is not None else r.stop_reason))
         r0 = st.seqs[0].request
         plp = None
         if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and (

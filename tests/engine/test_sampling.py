@@ -158,3 +158,28 @@ def test_ended_sequences_reach_the_runner_through_the_schedule(llm):
         seen += eng.last_schedule.finished_req_ids
     assert len(seen) == 3 and {"cut", "seeded"} < set(seen)                # "cut", then both samples
     assert not any(eng.held().values()), eng.held()
+
+
+def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
+    """The token that reaches max_tokens also completes a stop string: the output processor's finish
+    ("stop", the string, the text cut before it) is what the client sees and what is counted, in
+    both output modes; the core ended the sequence by length and is not asked again."""
+    free = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    tok = llm.engine.tokenizer
+    last = tok.decode(free.token_ids[-1:]).strip()
+    before = tok.decode(free.token_ids[:-1])
+    assert last and last not in before, (before, last)       # the stop string appears only in the last token
+    counts = dict(llm.engine.counters.finished)
+    for stream in (False, True):
+        eng = llm.engine
+        eng.add_request(f"last-{stream}", PROMPT, SamplingParams(max_tokens=12, stop=[last], ignore_eos=True),
+                        stream=stream)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        o = outs[-1].outputs[0]
+        text = "".join(x.outputs[0].text for x in outs) if stream else o.text
+        assert o.finish_reason == "stop" and o.stop_reason == last, (o.finish_reason, o.stop_reason)
+        assert last not in text and free.text.startswith(text)
+    assert eng.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
+    assert eng.counters.finished.get("length", 0) == counts.get("length", 0)
