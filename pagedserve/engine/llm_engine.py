@@ -470,14 +470,6 @@ class LLMEngine:
             so = self.last_schedule = self.scheduler.schedule()
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
-        if idle:
-            try:
-                self.executor.execute(so)
-            except EngineDeadError:
-                raise
-            except Exception:               # nothing ran: what it could not drop stays (bounded by the ended)
-                log.exception("telling the runner which sequences ended failed")
-            return []
         try:
             ro = self.executor.execute(so)
             outs = [self.outputs.output(st) for st in self._postprocess(so, ro) if st.stream or st.finished]
@@ -492,6 +484,8 @@ class LLMEngine:
         if self._retired_loras:
             self._drop_retired_loras()
         step_s = time.perf_counter() - t0
+        if idle:                                # it only told the runner which sequences ended
+            return outs
         self._record_stats(so, ro, step_s)
         if self.step_cost is not None and so.seqs:
             self.step_cost.observe([(s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0)

@@ -31,6 +31,11 @@ class SeqOutput:
     sent_tokens: int = 0                        # tokens already handed out (streams)
     stop: str | None = None                     # the stop string found in its text (finish reason "stop")
 
+    def finish_reason(self) -> str | None:
+        """What the client sees: "stop" for a stop string found in the text, else the core's finish."""
+        status = self.request.status
+        return None if not status.finished else "stop" if self.stop is not None else status.value
+
     def add_text(self, delta: str) -> None:
         self.pending += delta
 
@@ -107,7 +112,7 @@ class OutputProcessor:
             if p.stop and delta and req.num_output_tokens >= p.min_tokens:
                 self._check_stop_strings(seq, len(delta))
         if req.status.finished:
-            self.counters.count_finish("stop" if seq.stop is not None else req.status.value)
+            self.counters.count_finish(seq.finish_reason())
             if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH and seq.stop is None:
                 seq.add_text(seq.detok.flush())
             if seq.detok is None and p.detokenize:
@@ -143,11 +148,10 @@ class OutputProcessor:
                 seq.sent_tokens = r.num_output_tokens
             else:
                 text, start = "".join(seq.parts), 0
-            reason = None if not r.status.finished else "stop" if seq.stop is not None else r.status.value
             outs.append(CompletionOutput(i, text, r.output_token_ids[start:],
                                          seq.cum_logprob if seq.logprobs is not None else None,
                                          None if seq.logprobs is None else seq.logprobs[start:],
-                                         reason, seq.stop if seq.stop is not None else r.stop_reason))
+                                         seq.finish_reason(), seq.stop if seq.stop is not None else r.stop_reason))
         r0 = st.seqs[0].request
         plp = None
         if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and (

@@ -20,6 +20,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def after(self, earlier: CompletionOutput) -> CompletionOutput:
+        """This delta with an earlier one of the same sequence put in front (text, tokens, logprobs)."""
+        return replace(self, text=earlier.text + self.text, token_ids=earlier.token_ids + self.token_ids,
+                       logprobs=None if self.logprobs is None else (earlier.logprobs or []) + self.logprobs)
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -63,10 +68,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     outs = []
     for o in b.outputs:
         p = earlier.pop(o.index, None)
-        if p is not None:
-            o = replace(o, text=p.text + o.text, token_ids=p.token_ids + o.token_ids,
-                        logprobs=None if o.logprobs is None else (p.logprobs or []) + o.logprobs)
-        outs.append(o)
+        outs.append(o if p is None else o.after(p))
     outs = sorted(outs + list(earlier.values()), key=lambda o: o.index)
     return replace(b, outputs=outs, prompt_logprobs=b.prompt_logprobs if b.prompt_logprobs is not None
                    else a.prompt_logprobs)

@@ -9,7 +9,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -206,9 +206,7 @@ async def _stream_deltas(i: int, stream: RequestStream, usage: Usage):
             if o.index in done:
                 continue
             if o.index in held:
-                h = held.pop(o.index)
-                o = replace(o, token_ids=h.token_ids + o.token_ids,
-                            logprobs=None if o.logprobs is None else h.logprobs + o.logprobs)
+                o = o.after(held.pop(o.index))
             if not o.text and o.finish_reason is None:
                 if o.token_ids:
                     held[o.index] = o
