@@ -91,6 +91,8 @@ def _declare(lib: ctypes.CDLL, source: str) -> None:
         lib.add_rms_norm.argtypes = [p] * 5 + [i, i, f]
         lib.rope_kv.argtypes = [p, i, p, p, i, p, p, p, p, p, i, p, i, i, i, i]
         lib.silu_mul.argtypes = [p, i, p, i, i]
+        lib.decode_layers.argtypes = [p, p, i, p, p, i, p, p, i, p]
+        lib.decode_layers.restype = i
     for name in ("paged_decode_attention", "paged_prefill_attention", "qmatmul", "qmatmul_q8", "qdequant",
                  "add_rms_norm", "rope_kv", "silu_mul"):
         if hasattr(lib, name):
@@ -119,8 +121,9 @@ def _build(level: str, source: str) -> ctypes.CDLL | None:
             os.unlink(tmp)
             return None
         os.replace(tmp, out)
-    # our OpenMP runtime is not torch's: let its threads sleep, not spin, between calls
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # -fopenmp links libgomp.so.1, which torch has already loaded: the kernels share torch's OpenMP pool
+    # (and its wait policy, read when torch was imported; setting OMP_WAIT_POLICY here would only reach
+    # child processes: PASSIVE made a one-row step 1.45x slower on 2 cores)
     lib = ctypes.CDLL(out)
     _declare(lib, source)
     return lib
@@ -249,3 +252,30 @@ def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Ten
     out = torch.empty(T, I2 // 2, dtype=torch.float32)
     lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
     return out
+
+
+# ---------------------------------------------------------------- layer_ops.decode_layers' structures
+class PackedProduct(ctypes.Structure):
+    """packed_t: one packed product (model/quant.PackedWeight) and its bias."""
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("fmt", ctypes.c_int32), ("N", ctypes.c_int32)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """dlayer_t: one layer's norm weights, products and K/V planes."""
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", PackedProduct),
+                ("o", PackedProduct), ("gate_up", PackedProduct), ("down", PackedProduct),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+class DecodeStack(ctypes.Structure):
+    """dstack_t: the layers, the product and attention kernels (function pointers), the model's shape."""
+    _fields_ = [("layers", ctypes.c_void_p), ("qmm", ctypes.c_void_p), ("attn", ctypes.c_void_p),
+                *((name, ctypes.c_int32) for name in ("L", "H", "nh", "nkv", "hd", "I", "block_size", "kv")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def function_address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of a library's C function, to pass to another library's kernel."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value

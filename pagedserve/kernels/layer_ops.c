@@ -128,4 +128,78 @@ void silu_mul(const float *gu, int ldgu, float *out, int T, int I) {
     }
 }
 
+/* ---------------------------------------------------------------- a whole decode step's layers, one call
+ * The few-row step of a Llama-shaped model whose products are packed (the default on a GGUF file): every
+ * layer's norms, products, RoPE + K/V write, attention and SwiGLU in one call from Python instead of ~15
+ * (each ~3-10 us of Python, ctypes and allocation on these hosts: most of a one-row step outside the weight
+ * reads). The products and the attention are the other two libraries' kernels, passed in as function
+ * pointers (built for the same ISA level); the glue is this file's functions. The arithmetic is exactly
+ * LlamaForCausalLM's native layer path (DecoderLayer._forward_native), call for call. */
+typedef void (*qmm_fn)(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
+                       float *out, int ldo);
+typedef void (*attn_fn)(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                        const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *context_lens,
+                        float *out, int num_seqs, int n_heads, int n_kv, int head_dim, int block_size, int max_blocks,
+                        float scale, int window);
+
+typedef struct {            /* one packed product: out (T x N) = x (T x K) . W^T (+ bias) */
+    const uint8_t *w;
+    const float *bias;      /* NULL: none */
+    int64_t row_bytes;
+    int32_t fmt, N;
+} packed_t;
+
+typedef struct {            /* one layer's weights and K/V planes */
+    const float *attn_norm, *mlp_norm;
+    packed_t qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;   /* int8 KV only */
+    int32_t window, pad_;
+} dlayer_t;
+
+typedef struct {            /* the model's shape and the kernels its products and attention run */
+    const dlayer_t *layers;
+    qmm_fn qmm;
+    attn_fn attn;
+    int32_t L, H, nh, nkv, hd, I, block_size, kv;
+    float eps, scale;
+} dstack_t;
+
+static void product(const dstack_t *s, const packed_t *p, const float *x, int T, int K, float *out) {
+    s->qmm(x, T, K, K, p->w, p->fmt, p->N, p->row_bytes, out, p->N);
+    if (p->bias)
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < p->N; n++) out[(int64_t)t * p->N + n] += p->bias[n];
+}
+
+/* x: T decode rows (one per sequence) of the residual stream, H wide, updated in place through every layer;
+ * cos, sin: T x rot (rot 0: no RoPE); slots: each row's cache slot; block_tables: T x max_blocks;
+ * context_lens: T. Returns 0, or -1 when its scratch could not be allocated (x untouched then). */
+int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const float *sin_, int rot,
+                  const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *context_lens) {
+    const int H = s->H, nh = s->nh, nkv = s->nkv, hd = s->hd, I = s->I;
+    const int nqkv = (nh + 2 * nkv) * hd, nq = nh * hd;
+    float *buf = malloc(sizeof(float) * (size_t)T * (H + nqkv + 2 * nq + H + 3 * I + H));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + (size_t)T * H, *q = qkv + (size_t)T * nqkv, *o = q + (size_t)T * nq;
+    float *y = o + (size_t)T * nq, *gu = y + (size_t)T * H, *a = gu + (size_t)T * 2 * I, *d = a + (size_t)T * I;
+    for (int l = 0; l < s->L; l++) {
+        const dlayer_t *ly = &s->layers[l];
+        add_rms_norm(x, NULL, NULL, ly->attn_norm, h, T, H, s->eps);
+        product(s, &ly->qkv, h, T, H, qkv);
+        rope_kv(qkv, nqkv, cos_, sin_, rot, q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, slots, T,
+                nh, nkv, hd);
+        s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, T, nh,
+                nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
+        product(s, &ly->o, o, T, nq, y);
+        add_rms_norm(x, y, x, ly->mlp_norm, h, T, H, s->eps);         /* x += y in place, h = its norm */
+        product(s, &ly->gate_up, h, T, H, gu);
+        silu_mul(gu, 2 * I, a, T, I);
+        product(s, &ly->down, a, T, I, d);
+        for (int64_t i = 0; i < (int64_t)T * H; i++) x[i] += d[i];
+    }
+    free(buf);
+    return 0;
+}
+
 DEFINE_ISA(layer_ops_isa)

@@ -8,6 +8,7 @@ multipliers, SmolLM3's NoPE layers, Phi-3's partial RoPE, Mixtral's and Qwen3-Mo
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import os
@@ -24,7 +25,7 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import PackedWeight, measure_crossover
+from pagedserve.model.quant import FORMATS as QFORMATS, PackedWeight, measure_crossover
 from pagedserve.model.rope import rope_tables
 
 
@@ -118,11 +119,16 @@ class DecoderLayer(nn.Module):
         self.ops = None                # the layer_ops kernels, when this layer takes the native float32 path
 
     def native_ok(self) -> bool:
-        """Whether _forward_native computes this layer: float32 on the CPU, and none of the family options it
-        leaves to torch (q/k norms, sandwich norms, soft-caps, MoE, an activation other than SiLU)."""
-        return (self.attn_norm.dtype == torch.float32 and self.attn_norm.device.type == "cpu"
-                and self.q_norm is None and self.post_attn_norm is None and self.post_mlp_norm is None
-                and self.softcap is None and self.moe is None and self.act is F.silu and self.hd <= 256)
+        """Whether _forward_native computes this layer: float32, and glue_ok()."""
+        return self.attn_norm.dtype == torch.float32 and self.glue_ok()
+
+    def glue_ok(self) -> bool:
+        """Whether the native glue (kernels/layer_ops.c) can compute this layer in float32: on the CPU, and
+        none of the family options it leaves to torch (q/k norms, sandwich norms, soft-caps, MoE, an
+        activation other than SiLU)."""
+        return (self.attn_norm.device.type == "cpu" and self.q_norm is None and self.post_attn_norm is None
+                and self.post_mlp_norm is None and self.softcap is None and self.moe is None
+                and self.act is F.silu and self.hd <= 256)
 
     def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """`lora`: the step's adapters (model/lora.py), added to each adapted product's output."""
@@ -209,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.ropes, self.rope_keys = rope_tables(cfg)       # host arithmetic: built on the CPU, even under meta
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
+        self.fused: FusedDecode | None = None     # few-row decode steps in one native call (choose_decode_path)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata | list[AttentionMetadata], lora: LoRABatch | None = None) -> torch.Tensor:
@@ -219,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
             x = x * self.cfg.embed_scale
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
+        if self.fused is not None and self.fused.takes(x, md, lora):
+            return self.fused.run(x, positions, kv_caches, md)
         ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
         for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
             x = layer(x, None if key is None else ropes[key], kv, layer_md, lora)
@@ -267,6 +276,21 @@ class LlamaForCausalLM(nn.Module):
                "float32 layers without q/k norms, sandwich norms, soft-caps or MoE take it")
         n = sum(layer.ops is not None for layer in self.layers)
         return f"layer glue: native in {n} of {len(self.layers)} layers ({why})"
+
+    def choose_decode_path(self) -> str:
+        """Few-row decode steps run every layer in one native call (FusedDecode) where each layer's glue
+        can be native and its products are packed, unless PAGEDSERVE_FUSED_DECODE=0 or
+        PAGEDSERVE_LAYER_OPS=torch. Returns the line logged at load."""
+        self.fused = None
+        for var, off in (("PAGEDSERVE_FUSED_DECODE", "0"), ("PAGEDSERVE_LAYER_OPS", "torch")):
+            if os.environ.get(var) == off:
+                return f"decode steps: layer by layer ({var}={off})"
+        why = FusedDecode.refusal(self)
+        if why is not None:
+            return f"decode steps: layer by layer ({why})"
+        self.fused = FusedDecode(self)
+        return (f"decode steps: every layer in one native call for up to {self.fused.max_rows} rows (packed "
+                f"products, native glue in float32{'' if self.norm.dtype == torch.float32 else ', the residual stream too'})")
 
     @torch.inference_mode()
     def choose_gemm_form(self, int8_act: bool = False) -> str:
@@ -319,3 +343,105 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(t, PackedWeight):
                     t.small_m, t.int8_act = m, w.int8_act
         return "packed GEMMs: " + "; ".join(lines)
+
+
+class FusedDecode:
+    """A decode step's layers in one call to layer_ops' decode_layers: the same kernels, in the same
+    order, as DecoderLayer._forward_native on each layer (in float32: the same numbers), without the ~15
+    Python calls, allocations and ctypes crossings a layer costs (~0.1 ms a layer on a 2-core host: most
+    of a one-row step outside the weight reads). Taken by steps of only decode rows, up to the rows the
+    packed products are used for (PackedWeight.small_m), without LoRA; the layer path runs otherwise.
+    In a bfloat16 / float16 model (whose layers take the torch glue) the step's residual stream, norms
+    and RoPE are float32 here (the products round their input to int8 anyway; the K/V cache keeps its
+    dtype): more precise than the layer path, held like it to the closeness rule.
+    The weights' addresses are fixed at load, the K/V planes' on the first call (the runner's pool)."""
+
+    PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    @staticmethod
+    def refusal(model: LlamaForCausalLM) -> str | None:
+        """Why this model's decode steps cannot be fused (None: they can)."""
+        layers = list(model.layers)
+        if model.tp.size > 1:
+            return "tensor parallel: the products all-reduce"
+        if not all(layer.glue_ok() for layer in layers):
+            return "a layer's family options need the torch glue"
+        if model.norm.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {model.norm.dtype}"
+        if any(layer.residual_scale != 1.0 for layer in layers):
+            return "residual multipliers"
+        weights = [getattr(layer, p).weight for layer in layers for p in FusedDecode.PRODUCTS]
+        if not all(isinstance(w, PackedWeight) for w in weights):
+            return "dense weights: the products are the GEMM library's"
+        if len({w.int8_act for w in weights}) != 1 or min(w.small_m for w in weights) < 1:
+            return "the packed products differ in kind"
+        if len(set(model.rope_keys)) != 1:
+            return "layers rotate with different RoPE tables"
+        if any(kernels.load(source=src) is None for src in ("paged_attention", "qmatmul", "layer_ops")):
+            return "the native kernels could not be built"
+        if not kernels.supports(layers[0].hd, layers[0].n_heads, layers[0].n_kv):
+            return "a head shape the attention kernel does not take"
+        return None
+
+    def __init__(self, model: LlamaForCausalLM):
+        cfg, layers = model.cfg, list(model.layers)
+        first = layers[0]
+        self.lib = kernels.load(source="layer_ops")
+        self.dtype = model.norm.dtype
+        f32 = (lambda t: t if t is None or t.dtype == torch.float32 else t.float())
+        self.keep = []              # float32 copies of a half-precision model's norms and biases
+        w0 = first.qkv_proj.weight
+        self.max_rows = min(getattr(layer, p).weight.small_m for layer in layers for p in self.PRODUCTS)
+        self.rope = None if model.rope_keys[0] is None else model.ropes[model.rope_keys[0]]
+        qmm = kernels.load(source="qmatmul")
+        self.structs = (kernels.DecodeLayer * len(layers))()
+        for ls, layer in zip(self.structs, layers):
+            self.keep += [f32(layer.attn_norm.data), f32(layer.mlp_norm.data)]
+            ls.attn_norm, ls.mlp_norm = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
+            for field, name in zip(("qkv", "o", "gate_up", "down"), self.PRODUCTS):
+                mod = getattr(layer, name)
+                w: PackedWeight = mod.weight
+                p = getattr(ls, field)
+                p.w, p.row_bytes, p.fmt, p.N = w.data.data_ptr(), w.data.shape[1], QFORMATS[w.fmt][0], w.data.shape[0]
+                if mod.bias is not None:
+                    self.keep.append(f32(mod.bias.data))
+                    p.bias = self.keep[-1].data_ptr()
+            ls.window = layer.window
+        self.stack = kernels.DecodeStack(
+            layers=ctypes.addressof(self.structs),
+            qmm=kernels.function_address(qmm, "qmatmul_q8" if w0.int8_act else "qmatmul"),
+            attn=kernels.function_address(kernels.load(), "paged_decode_attention"),
+            L=len(layers), H=cfg.hidden_size, nh=first.n_heads, nkv=first.n_kv, hd=first.hd,
+            I=first.down_proj.weight.K, block_size=0, kv=-1, eps=first.eps, scale=first.scale)
+        self.model = model          # keeps the weights (and so the addresses above) alive
+        self.kv_caches: list[LayerKV] | None = None
+
+    def takes(self, x: torch.Tensor, md, lora) -> bool:
+        return (lora is None and isinstance(md, AttentionMetadata) and md.native and not md.num_prefills
+                and md.num_decodes == x.shape[0] <= self.max_rows)
+
+    def _bind(self, kv_caches: list[LayerKV]) -> None:
+        """The K/V planes the runner passes (the same list every step): their addresses and format."""
+        k0 = kv_caches[0].k
+        for ls, kv in zip(self.structs, kv_caches):
+            ls.k_cache, ls.v_cache = kv.k.data_ptr(), kv.v.data_ptr()
+            ls.k_scale = None if kv.k_scale is None else kv.k_scale.data_ptr()
+            ls.v_scale = None if kv.v_scale is None else kv.v_scale.data_ptr()
+        self.stack.kv, self.stack.block_size = kernels.KV_CODES[k0.dtype], k0.shape[1]
+        self.kv_caches = kv_caches
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+            md: AttentionMetadata) -> torch.Tensor:
+        """The hidden states after the last layer (x's dtype): x is the embedded step, updated in place."""
+        if kv_caches is not self.kv_caches:
+            self._bind(kv_caches)
+        x = x.float().contiguous()
+        cos, sin = self.rope(positions, torch.float32, x.device) if self.rope is not None else (None, None)
+        bt = md.decode_block_tables
+        rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
+                                    None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                                    0 if cos is None else cos.shape[-1], md.slot_mapping.data_ptr(), bt.data_ptr(),
+                                    bt.shape[1], md.decode_context_lens.data_ptr())
+        if rc != 0:
+            raise MemoryError("decode_layers could not allocate its scratch")
+        return x if self.dtype == torch.float32 else x.to(self.dtype)

@@ -77,14 +77,16 @@ class RopeTable:
             self.long_from = int(orig)
         else:
             self.inv = rope_inv_freq(cfg, theta, scaling)
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (dtype, device) -> (cos, sin): a half-precision model's fused decode steps read float32 ones
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(positions.max()) + 1 if positions.numel() else 0
-        t = self._table
-        if t is None or n > t[0].shape[0] or t[0].dtype != dtype or t[0].device != device:
+        key = (dtype, str(device))
+        t = self._tables.get(key)
+        if t is None or n > t[0].shape[0]:
             size = t[0].shape[0] if t is not None else 0
-            t = self._table = self._build(max(n, 1024, 2 * size if n > size else size), dtype, device)
+            t = self._tables[key] = self._build(max(n, 1024, 2 * size if n > size else size), dtype, device)
         return t[0][positions], t[1][positions]
 
     def _build(self, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,122 @@
+"""Few-row decode steps in one native call (LlamaForCausalLM.fused, kernels/layer_ops.c decode_layers)
+against the layer-by-layer path they replace: the same logits bit for bit in float32 (packed products
+with float or int8-rounded activations, float32 or int8 K/V, attention biases), the closeness rule in
+bfloat16 (where the fused step keeps its residual stream in float32), and the steps it leaves alone."""
+import pytest
+import torch
+
+from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.runner.model_runner import ModelRunner
+from tests.model.helpers import blocks_for, forward_all_rows, make_request
+
+PROMPTS = (20, 33, 47)        # three sequences; block size 16, so decodes cross block boundaries
+DECODES = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A random Qwen2 saved by transformers: a Llama-shaped layer with q/k/v biases the products add."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():                  # HF initializes biases to zero: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    d = tmp_path_factory.mktemp("tiny-qwen2-fused")
+    model.save_pretrained(d, safe_serialization=True)
+    return str(d)
+
+
+def _decode_logits(model, kv_dtype) -> tuple[torch.Tensor, int]:
+    """Prefill three prompts, then DECODES steps of the three as decode rows: the decode steps' logits,
+    and how many of those steps took the fused call."""
+    runner = ModelRunner(model, num_blocks=40, block_size=16, kv_cache_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(1)
+    reqs, blocks, first = [], [], 1
+    for i, n in enumerate(PROMPTS):
+        ids = torch.randint(0, 512, (n + DECODES,), generator=g).tolist()
+        reqs.append(make_request(f"r{i}", ids))
+        blocks.append(blocks_for(first, n + DECODES, 16))
+        first += len(blocks[-1])
+    forward_all_rows(runner, [(r, 0, n, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
+    fused, calls = model.fused, []
+    if fused is not None:
+        run = fused.run
+        fused.run = lambda *a: calls.append(1) or run(*a)
+    try:
+        out = [forward_all_rows(runner, [(r, n + j, 1, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
+               for j in range(DECODES)]
+    finally:
+        if fused is not None:
+            del fused.run
+    return torch.cat(out), len(calls)
+
+
+def _both_paths(path: str, dtype: torch.dtype, int8_act: bool, kv_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    model, _ = load_model(resolve_model(path), dtype, quantization="int8", int8_act=int8_act)
+    assert model.choose_decode_path().startswith("decode steps: every layer in one native call")
+    fused, calls = _decode_logits(model, kv_dtype)
+    assert calls == DECODES                       # every decode step took the one call
+    keep, model.fused = model.fused, None
+    try:
+        layered, calls = _decode_logits(model, kv_dtype)
+    finally:
+        model.fused = keep
+    assert calls == 0
+    return fused, layered
+
+
+@pytest.mark.parametrize("int8_act,kv_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.int8)])
+def test_fused_decode_is_the_layer_path_bit_for_bit_in_float32(tiny_qwen2, int8_act, kv_dtype):
+    fused, layered = _both_paths(tiny_qwen2, torch.float32, int8_act, kv_dtype)
+    assert torch.equal(fused, layered)
+
+
+def test_fused_decode_in_bfloat16_holds_the_closeness_rule(tiny_qwen2):
+    """A bfloat16 model's layers round the residual stream to bfloat16; the fused step keeps it in float32:
+    each step's greedy token is in the other path's top 5, and the logits are close."""
+    fused, layered = _both_paths(tiny_qwen2, torch.bfloat16, True, torch.bfloat16)
+    top5 = layered.topk(5, dim=-1).indices
+    assert (top5 == fused.argmax(-1, keepdim=True)).any(-1).all()
+    assert (fused - layered).abs().max().item() < 0.1 * layered.abs().max().item()
+
+
+def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, monkeypatch):
+    """Dense weights, a family option the native glue lacks (Qwen3's q/k norms), and either switch off:
+    layer by layer, and the load line says why. A step with prefill rows or LoRA never takes it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    dense, _ = load_model(resolve_model(tiny_qwen2), torch.float32)
+    assert dense.fused is None
+    assert "dense weights" in dense.choose_decode_path()
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)).save_pretrained(tmp_path)
+    qwen3, _ = load_model(resolve_model(str(tmp_path)), torch.float32, quantization="int8")
+    assert qwen3.fused is None and "family options" in qwen3.choose_decode_path()
+    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    try:
+        for var, off in (("PAGEDSERVE_FUSED_DECODE", "0"), ("PAGEDSERVE_LAYER_OPS", "torch")):
+            monkeypatch.setenv(var, off)
+            assert model.choose_decode_path() == f"decode steps: layer by layer ({var}={off})"
+            assert model.fused is None
+            monkeypatch.delenv(var)
+    finally:
+        model.choose_layer_path()
+        model.choose_decode_path()
+    assert model.fused is not None
+    runner = ModelRunner(model, num_blocks=10, block_size=16)
+    prompt = make_request("p", list(range(40)))
+    from pagedserve.core.step import ScheduledSeq, SchedulerOutput
+    so = SchedulerOutput((ScheduledSeq.of(prompt, 0, 40, (tuple(blocks_for(1, 40, 16)),), False),))
+    x = torch.zeros(40, 128)
+    _, _, md, *_ = runner.prepare(so)
+    assert not model.fused.takes(x, md, None)                           # prefill rows
+    decode = make_request("d", list(range(41)))
+    so = SchedulerOutput((ScheduledSeq.of(decode, 40, 1, (tuple(blocks_for(1, 41, 16)),), False),))
+    _, _, md, *_ = runner.prepare(so)
+    assert model.fused.takes(x[:1], md, None)
+    assert not model.fused.takes(x[:1], md, object())                   # a LoRA batch
