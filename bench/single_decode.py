@@ -6,6 +6,7 @@ through llama-cpp-python (the bench-only extra, `make bench-llamacpp`) and throu
 RSS is its own.
 
 Usage: python bench/single_decode.py [--tokens 128] [--repeats 3] [--paths auto:auto,float32:none,...]
+           (a path may add :VAR=value, set in that engine's process: auto:auto:PAGEDSERVE_FUSED_DECODE=0)
            [--llama-server build/llama.cpp/bin/llama-server] [--no-llamacpp]
 """
 import argparse
@@ -41,7 +42,9 @@ def timed(fn, tokens: int, repeats: int) -> float:
 
 def run_ours(path: str, tokens: int, repeats: int) -> dict:
     from pagedserve import LLM, SamplingParams
-    dtype, quant = path.split(":")
+    dtype, quant, *env = path.split(":")          # dtype:quantization[:VAR=value] (an A/B knob, e.g.
+    for kv in env:                                   # PAGEDSERVE_FUSED_DECODE=0), set before the engine loads
+        os.environ[kv.partition("=")[0]] = kv.partition("=")[2]
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=256, dtype=dtype, quantization=quant)
     load_s = time.perf_counter() - t0
@@ -51,7 +54,7 @@ def run_ours(path: str, tokens: int, repeats: int) -> dict:
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == n
     tok_s = timed(gen, tokens, repeats)
-    return {"engine": f"pagedserve --dtype {dtype} --quantization {quant}", "weights": llm.engine.model.weights_desc,
+    return {"engine": f"pagedserve --dtype {dtype} --quantization {quant}" + "".join(f" {kv}" for kv in env), "weights": llm.engine.model.weights_desc,
             "weights_mb": round(llm.engine.weights_bytes / 2**20, 1), "tok_s": round(tok_s, 2),
             "load_s": round(load_s, 2), "max_rss_mb": round(rss_mb())}
 

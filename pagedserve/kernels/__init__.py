@@ -273,7 +273,7 @@ class DecodeStack(ctypes.Structure):
     """dstack_t: the layers, the product and attention kernels (function pointers), the model's shape."""
     _fields_ = [("layers", ctypes.c_void_p), ("qmm", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 *((name, ctypes.c_int32) for name in ("L", "H", "nh", "nkv", "hd", "I", "block_size", "kv")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("prof", ctypes.c_void_p)]
 
 
 def function_address(lib: ctypes.CDLL, name: str) -> int:

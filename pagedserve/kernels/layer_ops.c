@@ -9,6 +9,8 @@
  * Every row is computed alone, the same way whatever the batch (float32 invariance to batch shapes);
  * rows are split over threads only when there are many. The arithmetic is torch's in float32 up to
  * the order of a row's sum of squares and fused multiply-adds. */
+#include <time.h>
+
 #include "vec16.h"
 
 DEFINE_SET_THREADS(layer_ops_set_threads)
@@ -163,7 +165,17 @@ typedef struct {            /* the model's shape and the kernels its products an
     attn_fn attn;
     int32_t L, H, nh, nkv, hd, I, block_size, kv;
     float eps, scale;
+    double *prof;           /* NULL, or seconds accumulated: [0] products, [1] attention, [2] the glue */
 } dstack_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* with s->prof: the time since *t added to prof[k], *t moved on */
+#define LAP(k) do { if (s->prof) { double t_ = now_s(); s->prof[k] += t_ - t; t = t_; } } while (0)
 
 static void product(const dstack_t *s, const packed_t *p, const float *x, int T, int K, float *out) {
     s->qmm(x, T, K, K, p->w, p->fmt, p->N, p->row_bytes, out, p->N);
@@ -183,20 +195,31 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)T * H, *q = qkv + (size_t)T * nqkv, *o = q + (size_t)T * nq;
     float *y = o + (size_t)T * nq, *gu = y + (size_t)T * H, *a = gu + (size_t)T * 2 * I, *d = a + (size_t)T * I;
+    double t = s->prof ? now_s() : 0.0;
     for (int l = 0; l < s->L; l++) {
         const dlayer_t *ly = &s->layers[l];
         add_rms_norm(x, NULL, NULL, ly->attn_norm, h, T, H, s->eps);
+        LAP(2);
         product(s, &ly->qkv, h, T, H, qkv);
+        LAP(0);
         rope_kv(qkv, nqkv, cos_, sin_, rot, q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, slots, T,
                 nh, nkv, hd);
+        LAP(2);
         s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, T, nh,
                 nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
+        LAP(1);
         product(s, &ly->o, o, T, nq, y);
+        LAP(0);
         add_rms_norm(x, y, x, ly->mlp_norm, h, T, H, s->eps);         /* x += y in place, h = its norm */
+        LAP(2);
         product(s, &ly->gate_up, h, T, H, gu);
+        LAP(0);
         silu_mul(gu, 2 * I, a, T, I);
+        LAP(2);
         product(s, &ly->down, a, T, I, d);
+        LAP(0);
         for (int64_t i = 0; i < (int64_t)T * H; i++) x[i] += d[i];
+        LAP(2);
     }
     free(buf);
     return 0;

@@ -414,7 +414,14 @@ class FusedDecode:
             L=len(layers), H=cfg.hidden_size, nh=first.n_heads, nkv=first.n_kv, hd=first.hd,
             I=first.down_proj.weight.K, block_size=0, kv=-1, eps=first.eps, scale=first.scale)
         self.model = model          # keeps the weights (and so the addresses above) alive
+        self.seconds: ctypes.Array | None = None      # profile(): products, attention, glue
         self.kv_caches: list[LayerKV] | None = None
+
+    def profile(self, on: bool = True) -> None:
+        """Accumulate the seconds the fused steps spend in the products, the attention and the glue into
+        self.seconds (bench/step_anatomy.py reads them); off again with on=False."""
+        self.seconds = (ctypes.c_double * 3)() if on else None
+        self.stack.prof = None if self.seconds is None else ctypes.addressof(self.seconds)
 
     def takes(self, x: torch.Tensor, md, lora) -> bool:
         return (lora is None and isinstance(md, AttentionMetadata) and md.native and not md.num_prefills

@@ -120,3 +120,18 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, 
     _, _, md, *_ = runner.prepare(so)
     assert model.fused.takes(x[:1], md, None)
     assert not model.fused.takes(x[:1], md, object())                   # a LoRA batch
+
+
+def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
+    """profile(): the seconds in the products, the attention and the glue (bench/step_anatomy.py) grow with
+    each fused step and stop when it is turned off; the numbers are unchanged by it."""
+    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    plain, _ = _decode_logits(model, torch.float32)
+    model.fused.profile()
+    try:
+        timed, _ = _decode_logits(model, torch.float32)
+        seconds = list(model.fused.seconds)
+    finally:
+        model.fused.profile(False)
+    assert torch.equal(plain, timed)
+    assert all(s > 0 for s in seconds) and model.fused.stack.prof is None
