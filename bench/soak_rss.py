@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 PATHS = {       # name -> `pagedserve serve` flags
+    "default": "",
     "float32": "--dtype float32",
     "bfloat16": "--dtype bfloat16",
     "gguf": "--quantization gguf",

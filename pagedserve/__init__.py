@@ -5,6 +5,20 @@ manager) never imports torch or transformers."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+# How long an idle OpenMP thread (torch's libgomp, which the native kernels share) spins before it
+# sleeps: libgomp's default of 300,000 rounds holds a core for milliseconds after each parallel region,
+# and when anything else wants that core (a second engine, a client, the server's own threads) a
+# kernel waits whole scheduler slices for its spinning partner (a decode attention call: 36 us alone,
+# 20 ms beside a second such process; 1,000 rounds: 22 us and 0.2 ms; BENCHMARKS.md). libgomp reads
+# it once, when torch loads it: so it is set only before torch is imported, never over the user's own.
+GOMP_SPINCOUNT = "1000"
+OPENMP_WAIT_SET = ("torch" not in sys.modules and "GOMP_SPINCOUNT" not in os.environ
+                   and "OMP_WAIT_POLICY" not in os.environ)
+if OPENMP_WAIT_SET:
+    os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
 
 _EXPORTS = {
     "EngineArgs": "pagedserve.config", "LLM": "pagedserve.engine.llm", "LLMEngine": "pagedserve.engine.llm_engine",

@@ -93,3 +93,15 @@ def fix_malloc_thresholds() -> str:
         return "left alone (not glibc)"
     return (f"mmap threshold fixed at {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
             if ok else "left alone (mallopt refused)")
+
+
+def openmp_wait() -> str:
+    """How idle OpenMP threads wait between parallel regions in this process, and who decided (logged at load)."""
+    import pagedserve
+    if pagedserve.OPENMP_WAIT_SET:
+        return f"spin {pagedserve.GOMP_SPINCOUNT} rounds, then sleep (GOMP_SPINCOUNT, set by pagedserve before torch loaded)"
+    own = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
+    if own:
+        return "from the environment: " + ", ".join(f"{k}={v}" for k, v in own.items())
+    return ("libgomp's default (torch was imported before pagedserve; GOMP_SPINCOUNT=1000 in the environment "
+            "keeps idle threads from holding cores other work needs)")

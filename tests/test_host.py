@@ -57,3 +57,23 @@ def test_thresholds_the_user_set_are_left_alone():
     assert said == "left as the environment sets them"
     _, said = probe("fix", PAGEDSERVE_MALLOC_THRESHOLDS="0")
     assert said.startswith("left as glibc sets them")
+
+
+@pytest.mark.parametrize("before,env,expect", [
+    ("", {}, "1000 spin"),                                         # set before torch loads libgomp
+    ("import torch", {}, "None default"),                          # too late: left alone, and the log says so
+    ("", {"GOMP_SPINCOUNT": "50"}, "50 environment"),              # the user's own setting wins
+    ("", {"OMP_WAIT_POLICY": "PASSIVE"}, "None environment"),
+])
+def test_openmp_idle_threads_spin_briefly_unless_someone_else_decided(before, env, expect):
+    """pagedserve sets GOMP_SPINCOUNT at import (idle OpenMP threads spinning for milliseconds starve
+    whatever else wants the core), only where libgomp has not read its settings yet and the user has
+    none of their own; host.openmp_wait() names the case for the load log."""
+    code = (f"{before}\nimport os, pagedserve\nfrom pagedserve.host import openmp_wait\n"
+            "w = openmp_wait()\nprint(os.environ.get('GOMP_SPINCOUNT'), w.split()[0], w)")
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env},
+                         check=True).stdout.split()
+    value, word = expect.split()
+    assert out[0] == value
+    assert {"spin": "spin", "default": "libgomp's", "environment": "from"}[word] == out[1]

@@ -21,7 +21,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
-from pagedserve.host import auto_dtype, available_memory_bytes, fix_malloc_thresholds
+from pagedserve.host import auto_dtype, available_memory_bytes, fix_malloc_thresholds, openmp_wait
 from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
@@ -45,6 +45,7 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         log.info("malloc: %s", fix_malloc_thresholds())
+        log.info("OpenMP idle threads: %s", openmp_wait())
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         t0 = time.perf_counter()
