@@ -12,7 +12,9 @@ import ctypes
 import itertools
 import math
 import os
+import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -415,7 +417,11 @@ class FusedDecode:
             I=first.down_proj.weight.K, block_size=0, kv=-1, eps=first.eps, scale=first.scale)
         self.model = model          # keeps the weights (and so the addresses above) alive
         self.seconds: ctypes.Array | None = None      # profile(): products, attention, glue
-        self.kv_caches: list[LayerKV] | None = None
+        # the K/V planes bound into the structs: (id of the runner's list, a weak reference to its first
+        # plane), so an engine gone with its pool is not kept alive by a model the loader's cache keeps;
+        # engines sharing this model may step in threads at once: binding and calling hold the lock
+        self._bound: tuple[int, weakref.ref] | None = None
+        self._lock = threading.Lock()
 
     def profile(self, on: bool = True) -> None:
         """Accumulate the seconds the fused steps spend in the products, the attention and the glue into
@@ -429,26 +435,30 @@ class FusedDecode:
 
     def _bind(self, kv_caches: list[LayerKV]) -> None:
         """The K/V planes the runner passes (the same list every step): their addresses and format."""
+        b = self._bound
+        if b is not None and b[0] == id(kv_caches) and b[1]() is kv_caches[0].k:
+            return
         k0 = kv_caches[0].k
         for ls, kv in zip(self.structs, kv_caches):
             ls.k_cache, ls.v_cache = kv.k.data_ptr(), kv.v.data_ptr()
             ls.k_scale = None if kv.k_scale is None else kv.k_scale.data_ptr()
             ls.v_scale = None if kv.v_scale is None else kv.v_scale.data_ptr()
         self.stack.kv, self.stack.block_size = kernels.KV_CODES[k0.dtype], k0.shape[1]
-        self.kv_caches = kv_caches
+        self._bound = (id(kv_caches), weakref.ref(k0))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
             md: AttentionMetadata) -> torch.Tensor:
         """The hidden states after the last layer (x's dtype): x is the embedded step, updated in place."""
-        if kv_caches is not self.kv_caches:
-            self._bind(kv_caches)
         x = x.float().contiguous()
         cos, sin = self.rope(positions, torch.float32, x.device) if self.rope is not None else (None, None)
         bt = md.decode_block_tables
-        rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
-                                    None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                                    0 if cos is None else cos.shape[-1], md.slot_mapping.data_ptr(), bt.data_ptr(),
-                                    bt.shape[1], md.decode_context_lens.data_ptr())
+        with self._lock:
+            self._bind(kv_caches)
+            rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
+                                        None if cos is None else cos.data_ptr(),
+                                        None if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[-1],
+                                        md.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1],
+                                        md.decode_context_lens.data_ptr())
         if rc != 0:
             raise MemoryError("decode_layers could not allocate its scratch")
         return x if self.dtype == torch.float32 else x.to(self.dtype)

@@ -31,11 +31,11 @@ def tiny_qwen2(tmp_path_factory):
     return str(d)
 
 
-def _decode_logits(model, kv_dtype) -> tuple[torch.Tensor, int]:
+def _decode_logits(model, kv_dtype, count: bool = True, seed: int = 1) -> tuple[torch.Tensor, int]:
     """Prefill three prompts, then DECODES steps of the three as decode rows: the decode steps' logits,
-    and how many of those steps took the fused call."""
+    and how many of those steps took the fused call (when `count`)."""
     runner = ModelRunner(model, num_blocks=40, block_size=16, kv_cache_dtype=kv_dtype)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     reqs, blocks, first = [], [], 1
     for i, n in enumerate(PROMPTS):
         ids = torch.randint(0, 512, (n + DECODES,), generator=g).tolist()
@@ -44,14 +44,14 @@ def _decode_logits(model, kv_dtype) -> tuple[torch.Tensor, int]:
         first += len(blocks[-1])
     forward_all_rows(runner, [(r, 0, n, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
     fused, calls = model.fused, []
-    if fused is not None:
+    if fused is not None and count:
         run = fused.run
         fused.run = lambda *a: calls.append(1) or run(*a)
     try:
         out = [forward_all_rows(runner, [(r, n + j, 1, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
                for j in range(DECODES)]
     finally:
-        if fused is not None:
+        if fused is not None and count:
             del fused.run
     return torch.cat(out), len(calls)
 
@@ -135,3 +135,32 @@ def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
         model.fused.profile(False)
     assert torch.equal(plain, timed)
     assert all(s > 0 for s in seconds) and model.fused.stack.prof is None
+
+
+def test_engines_sharing_the_loaded_model_step_in_threads_at_once(tiny_qwen2):
+    """The loader's cache gives engines one model (and so one FusedDecode, whose structs hold the K/V
+    planes' addresses): two runners decoding in two threads at once, in lock step, each get what they
+    get alone; a runner's pool is not kept alive by the model once the runner is gone."""
+    import gc
+    import threading
+    import weakref
+    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    alone = [_decode_logits(model, torch.float32, count=False, seed=s)[0] for s in (1, 2)]
+    got = [None, None]
+
+    def work(i):
+        for _ in range(3):
+            got[i] = _decode_logits(model, torch.float32, count=False, seed=1 + i)[0]
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+    runner = ModelRunner(model, num_blocks=40, block_size=16)
+    pool = weakref.ref(runner.kv_cache)
+    forward_all_rows(runner, [(make_request("x", list(range(20))), 0, 20, blocks_for(1, 20, 16))])
+    forward_all_rows(runner, [(make_request("x", list(range(21))), 20, 1, blocks_for(1, 21, 16))])
+    del runner
+    gc.collect()
+    assert pool() is None
