@@ -261,19 +261,27 @@ class PackedProduct(ctypes.Structure):
                 ("fmt", ctypes.c_int32), ("N", ctypes.c_int32)]
 
 
+class LoRAProduct(ctypes.Structure):
+    """lora_t: one product's LoRA slots (model/lora.py LoRASlots): A, each part's B and width."""
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p * 3), ("out", ctypes.c_int32 * 3),
+                ("parts", ctypes.c_int32)]
+
+
 class DecodeLayer(ctypes.Structure):
-    """dlayer_t: one layer's norm weights, products and K/V planes."""
+    """dlayer_t: one layer's norm weights, products and K/V planes, and its products' LoRA slots."""
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", PackedProduct),
                 ("o", PackedProduct), ("gate_up", PackedProduct), ("down", PackedProduct),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
-                ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+                ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int32), ("pad_", ctypes.c_int32),
+                ("lora", ctypes.c_void_p * 4)]
 
 
 class DecodeStack(ctypes.Structure):
     """dstack_t: the layers, the product and attention kernels (function pointers), the model's shape."""
     _fields_ = [("layers", ctypes.c_void_p), ("qmm", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 *((name, ctypes.c_int32) for name in ("L", "H", "nh", "nkv", "hd", "I", "block_size", "kv")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("prof", ctypes.c_void_p)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("prof", ctypes.c_void_p),
+                ("row_slot", ctypes.c_void_p), ("max_loras", ctypes.c_int32), ("rank", ctypes.c_int32)]
 
 
 def function_address(lib: ctypes.CDLL, name: str) -> int:

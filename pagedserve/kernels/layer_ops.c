@@ -151,12 +151,22 @@ typedef struct {            /* one packed product: out (T x N) = x (T x K) . W^T
     int32_t fmt, N;
 } packed_t;
 
+typedef struct {            /* one product's LoRA slots (model/lora.py LoRASlots), float32: A (parts x slots x
+                               rank, K), part-major; part p's B (slots x rank, out[p]), its outputs after the
+                               earlier parts' */
+    const float *a;
+    const float *b[3];
+    int32_t out[3];
+    int32_t parts;
+} lora_t;
+
 typedef struct {            /* one layer's weights and K/V planes */
     const float *attn_norm, *mlp_norm;
     packed_t qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     float *k_scale, *v_scale;   /* int8 KV only */
     int32_t window, pad_;
+    const lora_t *lora[4];      /* qkv, o, gate_up, down: NULL where no adapter has that product */
 } dlayer_t;
 
 typedef struct {            /* the model's shape and the kernels its products and attention run */
@@ -166,6 +176,8 @@ typedef struct {            /* the model's shape and the kernels its products an
     int32_t L, H, nh, nkv, hd, I, block_size, kv;
     float eps, scale;
     double *prof;           /* NULL, or seconds accumulated: [0] products, [1] attention, [2] the glue */
+    const int32_t *row_slot;    /* this step's LoRA slot of each row (-1: the base model); NULL: no LoRA */
+    int32_t max_loras, rank;
 } dstack_t;
 
 static double now_s(void) {
@@ -177,11 +189,49 @@ static double now_s(void) {
 /* with s->prof: the time since *t added to prof[k], *t moved on */
 #define LAP(k) do { if (s->prof) { double t_ = now_s(); s->prof[k] += t_ - t; t = t_; } } while (0)
 
-static void product(const dstack_t *s, const packed_t *p, const float *x, int T, int K, float *out) {
+static float dot(const float *a, const float *b, int n) {
+    v16 acc = splat(0.0f);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    float d = hsum(acc);
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
+}
+
+/* out row t += B(A(x row t)) of row t's adapter, part by part (LoRABatch.add's arithmetic, summed in
+ * another order: close to it, not bit for bit) */
+static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N) {
+    const int R = s->rank, S = s->max_loras;
+    float xa[R > 0 ? R : 1];
+    for (int t = 0; t < T; t++) {
+        const int slot = s->row_slot[t];
+        if (slot < 0) continue;
+        const float *xt = x + (int64_t)t * K;
+        float *yt = out + (int64_t)t * N;
+        for (int p = 0, col = 0; p < lo->parts; col += lo->out[p], p++) {
+            const float *A = lo->a + (int64_t)(p * S + slot) * R * K;
+            for (int r = 0; r < R; r++) xa[r] = dot(xt, A + (int64_t)r * K, K);
+            const int n_out = lo->out[p];
+            const float *B = lo->b[p] + (int64_t)slot * R * n_out;
+            for (int r = 0; r < R; r++) {
+                const float w = xa[r];
+                const float *br = B + (int64_t)r * n_out;
+                float *y = yt + col;
+                int n = 0;
+                for (; n + 16 <= n_out; n += 16) store_f32(y + n, load_f32(y + n) + splat(w) * load_f32(br + n));
+                for (; n < n_out; n++) y[n] += w * br[n];
+            }
+        }
+    }
+}
+
+static void product(const dstack_t *s, const packed_t *p, const lora_t *lo, const float *x, int T, int K,
+                    float *out) {
     s->qmm(x, T, K, K, p->w, p->fmt, p->N, p->row_bytes, out, p->N);
     if (p->bias)
         for (int t = 0; t < T; t++)
             for (int n = 0; n < p->N; n++) out[(int64_t)t * p->N + n] += p->bias[n];
+    if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, p->N);
 }
 
 /* x: T decode rows (one per sequence) of the residual stream, H wide, updated in place through every layer;
@@ -200,7 +250,7 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
         const dlayer_t *ly = &s->layers[l];
         add_rms_norm(x, NULL, NULL, ly->attn_norm, h, T, H, s->eps);
         LAP(2);
-        product(s, &ly->qkv, h, T, H, qkv);
+        product(s, &ly->qkv, ly->lora[0], h, T, H, qkv);
         LAP(0);
         rope_kv(qkv, nqkv, cos_, sin_, rot, q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, slots, T,
                 nh, nkv, hd);
@@ -208,15 +258,15 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
         s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, T, nh,
                 nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
         LAP(1);
-        product(s, &ly->o, o, T, nq, y);
+        product(s, &ly->o, ly->lora[1], o, T, nq, y);
         LAP(0);
         add_rms_norm(x, y, x, ly->mlp_norm, h, T, H, s->eps);         /* x += y in place, h = its norm */
         LAP(2);
-        product(s, &ly->gate_up, h, T, H, gu);
+        product(s, &ly->gate_up, ly->lora[2], h, T, H, gu);
         LAP(0);
         silu_mul(gu, 2 * I, a, T, I);
         LAP(2);
-        product(s, &ly->down, a, T, I, d);
+        product(s, &ly->down, ly->lora[3], a, T, I, d);
         LAP(0);
         for (int64_t i = 0; i < (int64_t)T * H; i++) x[i] += d[i];
         LAP(2);

@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * self.cfg.embed_scale
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
         if self.fused is not None and self.fused.takes(x, md, lora):
-            return self.fused.run(x, positions, kv_caches, md)
+            return self.fused.run(x, positions, kv_caches, md, lora)
         ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
         for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
             x = layer(x, None if key is None else ropes[key], kv, layer_md, lora)
@@ -352,7 +352,9 @@ class FusedDecode:
     order, as DecoderLayer._forward_native on each layer (in float32: the same numbers), without the ~15
     Python calls, allocations and ctypes crossings a layer costs (~0.1 ms a layer on a 2-core host: most
     of a one-row step outside the weight reads). Taken by steps of only decode rows, up to the rows the
-    packed products are used for (PackedWeight.small_m), without LoRA; the layer path runs otherwise.
+    packed products are used for (PackedWeight.small_m); with LoRA rows in a float32 model too (their
+    deltas added in C after each product: close to LoRABatch.add, not bit for bit); the layer path runs
+    otherwise.
     In a bfloat16 / float16 model (whose layers take the torch glue) the step's residual stream, norms
     and RoPE are float32 here (the products round their input to int8 anyway; the K/V cache keeps its
     dtype): more precise than the layer path, held like it to the closeness rule.
@@ -422,6 +424,8 @@ class FusedDecode:
         # engines sharing this model may step in threads at once: binding and calling hold the lock
         self._bound: tuple[int, weakref.ref] | None = None
         self._lock = threading.Lock()
+        self._lora_structs = (kernels.LoRAProduct * (4 * len(layers)))()
+        self._lora_bound: tuple[weakref.ref, int] | None = None      # (the runner's LoRASlots, its products)
 
     def profile(self, on: bool = True) -> None:
         """Accumulate the seconds the fused steps spend in the products, the attention and the glue into
@@ -429,9 +433,32 @@ class FusedDecode:
         self.seconds = (ctypes.c_double * 3)() if on else None
         self.stack.prof = None if self.seconds is None else ctypes.addressof(self.seconds)
 
-    def takes(self, x: torch.Tensor, md, lora) -> bool:
-        return (lora is None and isinstance(md, AttentionMetadata) and md.native and not md.num_prefills
-                and md.num_decodes == x.shape[0] <= self.max_rows)
+    def takes(self, x: torch.Tensor, md, lora: LoRABatch | None) -> bool:
+        return (isinstance(md, AttentionMetadata) and md.native and not md.num_prefills
+                and md.num_decodes == x.shape[0] <= self.max_rows
+                and (lora is None or (not lora.segments and len(lora.decode_slots) == x.shape[0]
+                                      and lora.slots.dtype == torch.float32)))
+
+    def _bind_lora(self, slots) -> None:
+        """The runner's LoRA slot tensors, per layer and product (made as adapters first need them; their
+        addresses do not move after)."""
+        b = self._lora_bound
+        if b is not None and b[0]() is slots and b[1] == len(slots.tensors):
+            return
+        for i, ls in enumerate(self.structs):
+            for j, product in enumerate(("qkv", "o", "gate_up", "down")):
+                ab = slots.tensors.get((i, product))
+                if ab is None:
+                    ls.lora[j] = None
+                    continue
+                a, bs = ab
+                lp = self._lora_structs[4 * i + j]
+                lp.a, lp.parts = a.data_ptr(), len(bs)
+                for k, part in enumerate(bs):
+                    lp.b[k], lp.out[k] = part.data_ptr(), part.shape[1]
+                ls.lora[j] = ctypes.addressof(lp)
+        self.stack.max_loras, self.stack.rank = slots.max_loras, slots.max_rank
+        self._lora_bound = (weakref.ref(slots), len(slots.tensors))
 
     def _bind(self, kv_caches: list[LayerKV]) -> None:
         """The K/V planes the runner passes (the same list every step): their addresses and format."""
@@ -446,19 +473,24 @@ class FusedDecode:
         self.stack.kv, self.stack.block_size = kernels.KV_CODES[k0.dtype], k0.shape[1]
         self._bound = (id(kv_caches), weakref.ref(k0))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
-            md: AttentionMetadata) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], md: AttentionMetadata,
+            lora: LoRABatch | None = None) -> torch.Tensor:
         """The hidden states after the last layer (x's dtype): x is the embedded step, updated in place."""
         x = x.float().contiguous()
         cos, sin = self.rope(positions, torch.float32, x.device) if self.rope is not None else (None, None)
         bt = md.decode_block_tables
+        row_slot = None if lora is None else (ctypes.c_int32 * x.shape[0])(*lora.decode_slots)
         with self._lock:
             self._bind(kv_caches)
+            if lora is not None:
+                self._bind_lora(lora.slots)
+            self.stack.row_slot = None if row_slot is None else ctypes.addressof(row_slot)
             rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
                                         None if cos is None else cos.data_ptr(),
                                         None if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[-1],
                                         md.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1],
                                         md.decode_context_lens.data_ptr())
+            self.stack.row_slot = None
         if rc != 0:
             raise MemoryError("decode_layers could not allocate its scratch")
         return x if self.dtype == torch.float32 else x.to(self.dtype)

@@ -248,6 +248,7 @@ class LoRABatch:
 
     def __init__(self, slots: LoRASlots, decode_slots: list[int], segments: list[tuple[int, int, int]]):
         self.slots, self.segments, self.num_decode = slots, segments, len(decode_slots)
+        self.decode_slots = decode_slots            # each decode row's slot, -1 for the base model
         self._masks: dict[int, torch.Tensor] = {}
         # decode rows read slots 0..m-1 only (slots are taken lowest first: a step of one adapter reads one)
         self.num_slots = max(decode_slots, default=-1) + 1

@@ -92,6 +92,45 @@ def test_adapters_and_base_in_one_step_equal_peft_merged(llama):
     _check_mixed_batch(d, models)
 
 
+def test_adapter_rows_of_packed_weights_in_the_fused_decode_step(llama):
+    """Packed weights (quantization int8): decode steps with adapter rows beside base rows take the one
+    native call (model.fused, the LoRA deltas added in C after each product), and give what the layer
+    path gives (LoRABatch.add): the same greedy tokens or, at a near-tie, each in the other's top 5; the
+    logprobs of the tokens both chose within 1e-4."""
+    d, models = llama
+    llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", quantization="int8",
+              num_kv_blocks=256, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.fused is not None
+    prompts, names = _prompts(models[None].config.vocab_size), [None, "A", "B"]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def generate():
+        return llm.generate([{"prompt_token_ids": p} for p in prompts for _ in names], sp, use_tqdm=False,
+                            lora_request=[_lora(d, n) for _ in prompts for n in names])
+    fused, run, adapted = model.fused, model.fused.run, []
+    fused.run = lambda x, pos, kv, md, lora=None: adapted.append(lora is not None) or run(x, pos, kv, md, lora)
+    try:
+        a = generate()
+    finally:
+        del fused.run
+    assert any(adapted), "decode steps with adapter rows took the fused call"
+    model.fused = None
+    try:
+        b = generate()
+    finally:
+        model.fused = fused
+    for x, y in zip(a, b):
+        xa, yb = x.outputs[0], y.outputs[0]
+        for i, (s, t) in enumerate(zip(xa.token_ids, yb.token_ids)):
+            if s != t:
+                assert s in yb.logprobs[i] and t in xa.logprobs[i]
+                break
+            assert abs(xa.logprobs[i][s].logprob - yb.logprobs[i][s].logprob) < 1e-4
+    assert sum(x.outputs[0].token_ids != y.outputs[0].token_ids for x, y in zip(a, b)) <= 1
+    assert all(v == 0 for v in llm.engine.held().values())
+
+
 @pytest.mark.parametrize("family,targets", [("phi3", ["qkv_proj"]), ("gemma2", ["q_proj", "k_proj"])])
 def test_other_families_equal_peft_merged(tmp_path_factory, tokenizer, family, targets):
     """Phi-3's checkpoints fuse qkv and gate_up as we do (PEFT adapts the fused modules); Gemma 2 runs the

@@ -87,7 +87,8 @@ def test_fused_decode_in_bfloat16_holds_the_closeness_rule(tiny_qwen2):
 
 def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, monkeypatch):
     """Dense weights, a family option the native glue lacks (Qwen3's q/k norms), and either switch off:
-    layer by layer, and the load line says why. A step with prefill rows or LoRA never takes it."""
+    layer by layer, and the load line says why. A step with prefill rows never takes it, nor one whose
+    LoRA slots are not float32."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     dense, _ = load_model(resolve_model(tiny_qwen2), torch.float32)
     assert dense.fused is None
@@ -119,7 +120,11 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, 
     so = SchedulerOutput((ScheduledSeq.of(decode, 40, 1, (tuple(blocks_for(1, 41, 16)),), False),))
     _, _, md, *_ = runner.prepare(so)
     assert model.fused.takes(x[:1], md, None)
-    assert not model.fused.takes(x[:1], md, object())                   # a LoRA batch
+    from types import SimpleNamespace as NS
+    lora = NS(segments=[], decode_slots=[0], slots=NS(dtype=torch.float32))
+    assert model.fused.takes(x[:1], md, lora)                          # adapter decode rows: in C
+    assert not model.fused.takes(x[:1], md, NS(**{**vars(lora), "slots": NS(dtype=torch.bfloat16)}))
+    assert not model.fused.takes(x[:1], md, NS(**{**vars(lora), "decode_slots": []}))
 
 
 def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
