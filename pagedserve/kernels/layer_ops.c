@@ -199,13 +199,14 @@ static float dot(const float *a, const float *b, int n) {
 }
 
 /* out row t += B(A(x row t)) of row t's adapter, part by part (LoRABatch.add's arithmetic, summed in
- * another order: close to it, not bit for bit) */
+ * another order: close to it, not bit for bit); rows split over the threads */
 static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N) {
     const int R = s->rank, S = s->max_loras;
-    float xa[R > 0 ? R : 1];
+#pragma omp parallel for num_threads(THREADS) schedule(dynamic, 1) if (T >= 2)
     for (int t = 0; t < T; t++) {
         const int slot = s->row_slot[t];
         if (slot < 0) continue;
+        float xa[R > 0 ? R : 1];
         const float *xt = x + (int64_t)t * K;
         float *yt = out + (int64_t)t * N;
         for (int p = 0, col = 0; p < lo->parts; col += lo->out[p], p++) {
