@@ -133,10 +133,11 @@ void silu_mul(const float *gu, int ldgu, float *out, int T, int I) {
 /* ---------------------------------------------------------------- a whole decode step's layers, one call
  * The few-row step of a Llama-shaped model whose products are packed (the default on a GGUF file): every
  * layer's norms, products, RoPE + K/V write, attention and SwiGLU in one call from Python instead of ~15
- * (each ~3-10 us of Python, ctypes and allocation on these hosts: most of a one-row step outside the weight
- * reads). The products and the attention are the other two libraries' kernels, passed in as function
- * pointers (built for the same ISA level); the glue is this file's functions. The arithmetic is exactly
- * LlamaForCausalLM's native layer path (DecoderLayer._forward_native), call for call. */
+ * a layer (each ~3-10 us of Python, ctypes and allocation on these hosts: most of a one-row step outside
+ * the weight reads). The products and the attention are the other two libraries' kernels, passed in as
+ * function pointers (built for the same ISA level); the glue is this file's functions. The arithmetic is
+ * exactly LlamaForCausalLM's native layer path (DecoderLayer._forward_native), call for call, but for
+ * LoRA rows' deltas (lora_add: the same sums in another order). */
 typedef void (*qmm_fn)(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
                        float *out, int ldo);
 typedef void (*attn_fn)(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
