@@ -19,7 +19,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.errors import ParamError
 from tests.entrypoints.helpers import serve_in_thread
 from tests.model.families import save_family
-from tests.model.helpers import assert_greedy_match, hf_greedy
+from tests.model.helpers import assert_greedy_match, hf_greedy, packed_up_to
 
 peft = pytest.importorskip("peft")      # pinned in the test extra: `make test` installs it
 
@@ -101,7 +101,7 @@ def test_adapter_rows_of_packed_weights_in_the_fused_decode_step(llama):
     llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", quantization="int8",
               num_kv_blocks=256, enable_prefix_caching=False)
     model = llm.engine.model
-    assert model.fused is not None
+    assert packed_up_to(model).startswith("decode steps: every layer in one native call")
     prompts, names = _prompts(models[None].config.vocab_size), [None, "A", "B"]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
 

@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.runner.model_runner import ModelRunner
-from tests.model.helpers import blocks_for, forward_all_rows, make_request
+from tests.model.helpers import blocks_for, forward_all_rows, make_request, packed_up_to
 
 PROMPTS = (20, 33, 47)        # three sequences; block size 16, so decodes cross block boundaries
 DECODES = 6
@@ -58,7 +58,7 @@ def _decode_logits(model, kv_dtype, count: bool = True, seed: int = 1) -> tuple[
 
 def _both_paths(path: str, dtype: torch.dtype, int8_act: bool, kv_dtype) -> tuple[torch.Tensor, torch.Tensor]:
     model, _ = load_model(resolve_model(path), dtype, quantization="int8", int8_act=int8_act)
-    assert model.choose_decode_path().startswith("decode steps: every layer in one native call")
+    assert packed_up_to(model).startswith("decode steps: every layer in one native call for up to 64 rows")
     fused, calls = _decode_logits(model, kv_dtype)
     assert calls == DECODES                       # every decode step took the one call
     keep, model.fused = model.fused, None
@@ -99,6 +99,7 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, 
     qwen3, _ = load_model(resolve_model(str(tmp_path)), torch.float32, quantization="int8")
     assert qwen3.fused is None and "family options" in qwen3.choose_decode_path()
     model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    packed_up_to(model)
     try:
         for var, off in (("PAGEDSERVE_FUSED_DECODE", "0"), ("PAGEDSERVE_LAYER_OPS", "torch")):
             monkeypatch.setenv(var, off)
@@ -131,6 +132,7 @@ def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
     """profile(): the seconds in the products, the attention and the glue (bench/step_anatomy.py) grow with
     each fused step and stop when it is turned off; the numbers are unchanged by it."""
     model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    packed_up_to(model)
     plain, _ = _decode_logits(model, torch.float32)
     model.fused.profile()
     try:
@@ -150,6 +152,7 @@ def test_engines_sharing_the_loaded_model_step_in_threads_at_once(tiny_qwen2):
     import threading
     import weakref
     model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    packed_up_to(model)
     alone = [_decode_logits(model, torch.float32, count=False, seed=s)[0] for s in (1, 2)]
     got = [None, None]
 
