@@ -44,7 +44,8 @@ def run_ours(path: str, tokens: int, repeats: int) -> dict:
     from pagedserve import LLM, SamplingParams
     dtype, quant, *env = path.split(":")          # dtype:quantization[:VAR=value] (an A/B knob, e.g.
     for kv in env:                                   # PAGEDSERVE_FUSED_DECODE=0), set before the engine loads
-        os.environ[kv.partition("=")[0]] = kv.partition("=")[2]
+        name, _, value = kv.partition("=")
+        os.environ[name] = value
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=256, dtype=dtype, quantization=quant)
     load_s = time.perf_counter() - t0

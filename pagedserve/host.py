@@ -103,5 +103,5 @@ def openmp_wait() -> str:
     own = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
     if own:
         return "from the environment: " + ", ".join(f"{k}={v}" for k, v in own.items())
-    return ("libgomp's default (torch was imported before pagedserve; GOMP_SPINCOUNT=1000 in the environment "
-            "keeps idle threads from holding cores other work needs)")
+    return (f"libgomp's default (torch was imported before pagedserve; GOMP_SPINCOUNT={pagedserve.GOMP_SPINCOUNT} "
+            "in the environment keeps idle threads from holding cores other work needs)")

@@ -358,9 +358,10 @@ class FusedDecode:
     In a bfloat16 / float16 model (whose layers take the torch glue) the step's residual stream, norms
     and RoPE are float32 here (the products round their input to int8 anyway; the K/V cache keeps its
     dtype): more precise than the layer path, held like it to the closeness rule.
-    The weights' addresses are fixed at load, the K/V planes' on the first call (the runner's pool)."""
+    The weights' addresses are fixed at load (the model owns them and this object), the K/V planes' on
+    the first call (the runner's pool)."""
 
-    PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    PRODUCTS = ("qkv", "o", "gate_up", "down")     # the layer's `{p}_proj`, dlayer_t's fields, LoRASlots' keys
 
     @staticmethod
     def refusal(model: LlamaForCausalLM) -> str | None:
@@ -370,15 +371,15 @@ class FusedDecode:
             return "tensor parallel: the products all-reduce"
         if not all(layer.glue_ok() for layer in layers):
             return "a layer's family options need the torch glue"
-        if model.norm.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"dtype {model.norm.dtype}"
         if any(layer.residual_scale != 1.0 for layer in layers):
             return "residual multipliers"
-        weights = [getattr(layer, p).weight for layer in layers for p in FusedDecode.PRODUCTS]
+        weights = [getattr(layer, f"{p}_proj").weight for layer in layers for p in FusedDecode.PRODUCTS]
         if not all(isinstance(w, PackedWeight) for w in weights):
             return "dense weights: the products are the GEMM library's"
-        if len({w.int8_act for w in weights}) != 1 or min(w.small_m for w in weights) < 1:
+        if len({w.int8_act for w in weights}) != 1:
             return "the packed products differ in kind"
+        if min(w.small_m for w in weights) < 1:
+            return "the dense copies are faster at every row count"
         if len(set(model.rope_keys)) != 1:
             return "layers rotate with different RoPE tables"
         if any(kernels.load(source=src) is None for src in ("paged_attention", "qmatmul", "layer_ops")):
@@ -392,23 +393,22 @@ class FusedDecode:
         first = layers[0]
         self.lib = kernels.load(source="layer_ops")
         self.dtype = model.norm.dtype
-        f32 = (lambda t: t if t is None or t.dtype == torch.float32 else t.float())
-        self.keep = []              # float32 copies of a half-precision model's norms and biases
+        self.keep = []              # the norms and biases in float32 (copies, in a half-precision model)
         w0 = first.qkv_proj.weight
-        self.max_rows = min(getattr(layer, p).weight.small_m for layer in layers for p in self.PRODUCTS)
+        self.max_rows = min(getattr(layer, f"{p}_proj").weight.small_m for layer in layers for p in self.PRODUCTS)
         self.rope = None if model.rope_keys[0] is None else model.ropes[model.rope_keys[0]]
         qmm = kernels.load(source="qmatmul")
         self.structs = (kernels.DecodeLayer * len(layers))()
         for ls, layer in zip(self.structs, layers):
-            self.keep += [f32(layer.attn_norm.data), f32(layer.mlp_norm.data)]
+            self.keep += [layer.attn_norm.data.float(), layer.mlp_norm.data.float()]
             ls.attn_norm, ls.mlp_norm = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
-            for field, name in zip(("qkv", "o", "gate_up", "down"), self.PRODUCTS):
-                mod = getattr(layer, name)
+            for product in self.PRODUCTS:
+                mod = getattr(layer, f"{product}_proj")
                 w: PackedWeight = mod.weight
-                p = getattr(ls, field)
+                p = getattr(ls, product)
                 p.w, p.row_bytes, p.fmt, p.N = w.data.data_ptr(), w.data.shape[1], QFORMATS[w.fmt][0], w.data.shape[0]
                 if mod.bias is not None:
-                    self.keep.append(f32(mod.bias.data))
+                    self.keep.append(mod.bias.data.float())
                     p.bias = self.keep[-1].data_ptr()
             ls.window = layer.window
         self.stack = kernels.DecodeStack(
@@ -417,7 +417,6 @@ class FusedDecode:
             attn=kernels.function_address(kernels.load(), "paged_decode_attention"),
             L=len(layers), H=cfg.hidden_size, nh=first.n_heads, nkv=first.n_kv, hd=first.hd,
             I=first.down_proj.weight.K, block_size=0, kv=-1, eps=first.eps, scale=first.scale)
-        self.model = model          # keeps the weights (and so the addresses above) alive
         self.seconds: ctypes.Array | None = None      # profile(): products, attention, glue
         # the K/V planes bound into the structs: (id of the runner's list, a weak reference to its first
         # plane), so an engine gone with its pool is not kept alive by a model the loader's cache keeps;
@@ -446,7 +445,7 @@ class FusedDecode:
         if b is not None and b[0]() is slots and b[1] == len(slots.tensors):
             return
         for i, ls in enumerate(self.structs):
-            for j, product in enumerate(("qkv", "o", "gate_up", "down")):
+            for j, product in enumerate(self.PRODUCTS):
                 ab = slots.tensors.get((i, product))
                 if ab is None:
                     ls.lora[j] = None

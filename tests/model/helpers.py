@@ -75,10 +75,11 @@ def packed_up_to(model, rows: int = 64) -> str:
     """Let every packed layer product take the packed kernel up to `rows` rows (the crossover measured at
     load moves with the host's load: a busy CI host may measure a tiny model's dense GEMM as faster from
     2 rows on) and decide the decode path again; returns its load line."""
+    from pagedserve.model.llama import FusedDecode
     from pagedserve.model.quant import PackedWeight
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            w = getattr(getattr(layer, name, None), "weight", None)
+        for product in FusedDecode.PRODUCTS:
+            w = getattr(getattr(layer, f"{product}_proj", None), "weight", None)
             if isinstance(w, PackedWeight):
                 w.small_m = rows
     return model.choose_decode_path()

@@ -7,6 +7,7 @@ import torch
 
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.runner.model_runner import ModelRunner
+from tests.model.families import save_family
 from tests.model.helpers import blocks_for, forward_all_rows, make_request, packed_up_to
 
 PROMPTS = (20, 33, 47)        # three sequences; block size 16, so decodes cross block boundaries
@@ -14,20 +15,11 @@ DECODES = 6
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    """A random Qwen2 saved by transformers: a Llama-shaped layer with q/k/v biases the products add."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():                  # HF initializes biases to zero: make them count
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    d = tmp_path_factory.mktemp("tiny-qwen2-fused")
-    model.save_pretrained(d, safe_serialization=True)
+def tiny_llama(tmp_path_factory):
+    """The families' random Llama (tests/model/families.py): biases on q/k/v and o that the products add,
+    non-trivial norms."""
+    d = tmp_path_factory.mktemp("tiny-llama-fused")
+    save_family("llama", d, 512)
     return str(d)
 
 
@@ -71,34 +63,31 @@ def _both_paths(path: str, dtype: torch.dtype, int8_act: bool, kv_dtype) -> tupl
 
 
 @pytest.mark.parametrize("int8_act,kv_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.int8)])
-def test_fused_decode_is_the_layer_path_bit_for_bit_in_float32(tiny_qwen2, int8_act, kv_dtype):
-    fused, layered = _both_paths(tiny_qwen2, torch.float32, int8_act, kv_dtype)
+def test_fused_decode_is_the_layer_path_bit_for_bit_in_float32(tiny_llama, int8_act, kv_dtype):
+    fused, layered = _both_paths(tiny_llama, torch.float32, int8_act, kv_dtype)
     assert torch.equal(fused, layered)
 
 
-def test_fused_decode_in_bfloat16_holds_the_closeness_rule(tiny_qwen2):
+def test_fused_decode_in_bfloat16_holds_the_closeness_rule(tiny_llama):
     """A bfloat16 model's layers round the residual stream to bfloat16; the fused step keeps it in float32:
     each step's greedy token is in the other path's top 5, and the logits are close."""
-    fused, layered = _both_paths(tiny_qwen2, torch.bfloat16, True, torch.bfloat16)
+    fused, layered = _both_paths(tiny_llama, torch.bfloat16, True, torch.bfloat16)
     top5 = layered.topk(5, dim=-1).indices
     assert (top5 == fused.argmax(-1, keepdim=True)).any(-1).all()
     assert (fused - layered).abs().max().item() < 0.1 * layered.abs().max().item()
 
 
-def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, monkeypatch):
+def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_llama, tmp_path, monkeypatch):
     """Dense weights, a family option the native glue lacks (Qwen3's q/k norms), and either switch off:
     layer by layer, and the load line says why. A step with prefill rows never takes it, nor one whose
     LoRA slots are not float32."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    dense, _ = load_model(resolve_model(tiny_qwen2), torch.float32)
+    dense, _ = load_model(resolve_model(tiny_llama), torch.float32)
     assert dense.fused is None
     assert "dense weights" in dense.choose_decode_path()
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)).save_pretrained(tmp_path)
+    save_family("qwen3", tmp_path, 256)
     qwen3, _ = load_model(resolve_model(str(tmp_path)), torch.float32, quantization="int8")
     assert qwen3.fused is None and "family options" in qwen3.choose_decode_path()
-    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    model, _ = load_model(resolve_model(tiny_llama), torch.float32, quantization="int8", int8_act=True)
     packed_up_to(model)
     try:
         for var, off in (("PAGEDSERVE_FUSED_DECODE", "0"), ("PAGEDSERVE_LAYER_OPS", "torch")):
@@ -114,7 +103,7 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, 
     prompt = make_request("p", list(range(40)))
     from pagedserve.core.step import ScheduledSeq, SchedulerOutput
     so = SchedulerOutput((ScheduledSeq.of(prompt, 0, 40, (tuple(blocks_for(1, 40, 16)),), False),))
-    x = torch.zeros(40, 128)
+    x = torch.zeros(40, model.cfg.hidden_size)
     _, _, md, *_ = runner.prepare(so)
     assert not model.fused.takes(x, md, None)                           # prefill rows
     decode = make_request("d", list(range(41)))
@@ -128,10 +117,10 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_qwen2, tmp_path, 
     assert not model.fused.takes(x[:1], md, NS(**{**vars(lora), "decode_slots": []}))
 
 
-def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
+def test_the_fused_steps_clocks_count_their_parts(tiny_llama):
     """profile(): the seconds in the products, the attention and the glue (bench/step_anatomy.py) grow with
     each fused step and stop when it is turned off; the numbers are unchanged by it."""
-    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    model, _ = load_model(resolve_model(tiny_llama), torch.float32, quantization="int8", int8_act=True)
     packed_up_to(model)
     plain, _ = _decode_logits(model, torch.float32)
     model.fused.profile()
@@ -144,14 +133,14 @@ def test_the_fused_steps_clocks_count_their_parts(tiny_qwen2):
     assert all(s > 0 for s in seconds) and model.fused.stack.prof is None
 
 
-def test_engines_sharing_the_loaded_model_step_in_threads_at_once(tiny_qwen2):
+def test_engines_sharing_the_loaded_model_step_in_threads_at_once(tiny_llama):
     """The loader's cache gives engines one model (and so one FusedDecode, whose structs hold the K/V
     planes' addresses): two runners decoding in two threads at once, in lock step, each get what they
     get alone; a runner's pool is not kept alive by the model once the runner is gone."""
     import gc
     import threading
     import weakref
-    model, _ = load_model(resolve_model(tiny_qwen2), torch.float32, quantization="int8", int8_act=True)
+    model, _ = load_model(resolve_model(tiny_llama), torch.float32, quantization="int8", int8_act=True)
     packed_up_to(model)
     alone = [_decode_logits(model, torch.float32, count=False, seed=s)[0] for s in (1, 2)]
     got = [None, None]
