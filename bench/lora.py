@@ -62,14 +62,18 @@ def run(llm, reqs, names: list[str | None]) -> dict:
                         SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
                         lora_request=None if name is None else LoRARequest(name))
     got, steps, lora_rows = {}, 0, 0
+    seconds = {"decode": 0.0, "prefill": 0.0}       # decode-only steps, steps with prompt tokens
     while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
         for o in eng.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
+        seconds["prefill" if eng.last_schedule.num_prefill_tokens else "decode"] += time.perf_counter() - t0
         steps += 1
         lora_rows += sum(s.num_tokens for s in eng.last_schedule.seqs if s.lora_id)
     wall = time.perf_counter() - t
     o_tok = sum(r["max_tokens"] for r in reqs)
     return {"wall_s": round(wall, 2), "output_tok_s": round(o_tok / wall, 2), "steps": steps, "lora_rows": lora_rows,
+            "decode_steps_s": round(seconds["decode"], 2), "prefill_steps_s": round(seconds["prefill"], 2),
             "token_counts_ok": all(got.get(r["id"]) == r["max_tokens"] for r in reqs)}
 
 
@@ -113,6 +117,10 @@ def main():
     m = sum(r["output_tok_s"] for r in results["mixed"]) / a.reps
     print(f"RATIO mixed (4 adapters of rank {a.rank} on {a.targets} + base) / base alone: {m / b:.3f}x output tok/s "
           f"(cost {100 * (1 - m / b):.1f} %)")
+    for k in ("decode", "prefill"):         # where the cost is: seconds in steps of each kind, mixed / base
+        sb = sum(r[f"{k}_steps_s"] for r in results["base"])
+        sm = sum(r[f"{k}_steps_s"] for r in results["mixed"])
+        print(f"  {k} steps: base {sb / a.reps:.2f} s, mixed {sm / a.reps:.2f} s a run ({sm / max(sb, 1e-9):.3f}x)")
 
 
 def churn(llm, tmp: str, a) -> None:

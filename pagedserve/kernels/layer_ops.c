@@ -199,32 +199,109 @@ static float dot(const float *a, const float *b, int n) {
     return d;
 }
 
-/* out row t += B(A(x row t)) of row t's adapter, part by part (LoRABatch.add's arithmetic, summed in
- * another order: close to it, not bit for bit); rows split over the threads */
-static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N) {
-    const int R = s->rank, S = s->max_loras;
-#pragma omp parallel for num_threads(THREADS) schedule(dynamic, 1) if (T >= 2)
-    for (int t = 0; t < T; t++) {
-        const int slot = s->row_slot[t];
-        if (slot < 0) continue;
-        float xa[R > 0 ? R : 1];
-        const float *xt = x + (int64_t)t * K;
-        float *yt = out + (int64_t)t * N;
-        for (int p = 0, col = 0; p < lo->parts; col += lo->out[p], p++) {
-            const float *A = lo->a + (int64_t)(p * S + slot) * R * K;
-            for (int r = 0; r < R; r++) xa[r] = dot(xt, A + (int64_t)r * K, K);
-            const int n_out = lo->out[p];
-            const float *B = lo->b[p] + (int64_t)slot * R * n_out;
-            for (int r = 0; r < R; r++) {
-                const float w = xa[r];
-                const float *br = B + (int64_t)r * n_out;
-                float *y = yt + col;
-                int n = 0;
-                for (; n + 16 <= n_out; n += 16) store_f32(y + n, load_f32(y + n) + splat(w) * load_f32(br + n));
-                for (; n < n_out; n++) y[n] += w * br[n];
-            }
+/* d[j] = a . x row rows[j] for m <= 4 rows, reading a once: 8-lane accumulators, two per row (16 floats a
+ * step), kept in registers (the 16-lane `dot` spills its accumulator on AVX2 inside OpenMP regions) */
+static void dots(const float *a, const float *x, int K, const int *rows, int m, float *d) {
+    v8 acc[4][2] = {{{0}}};
+    const float *xr[4];
+    for (int j = 0; j < 4; j++) xr[j] = x + (int64_t)rows[j < m ? j : 0] * K;
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        v8 a0, a1;
+        memcpy(&a0, a + k, sizeof a0);
+        memcpy(&a1, a + k + 8, sizeof a1);
+        for (int j = 0; j < 4; j++) {
+            v8 x0, x1;
+            memcpy(&x0, xr[j] + k, sizeof x0);
+            memcpy(&x1, xr[j] + k + 8, sizeof x1);
+            acc[j][0] += a0 * x0;
+            acc[j][1] += a1 * x1;
         }
     }
+    for (int j = 0; j < m; j++) {
+        const v8 v = acc[j][0] + acc[j][1];
+        const v4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+        float t = (h[0] + h[2]) + (h[1] + h[3]);
+        for (int i = k; i < K; i++) t += a[i] * xr[j][i];
+        d[j] = t;
+    }
+}
+
+/* y[t, col + n0 .. n1) += xa[t, p] . B[:, n0 .. n1) for m <= 4 rows t = rows[j]: 8 columns at a time, the 4
+ * rows' sums held in registers through B's R rows (one load and store of y per 8 columns, not per rank);
+ * each sum runs over the ranks in order */
+static void lora_b4(const float *B, int n_out, int R, int n0, int n1, const int *rows, int m, const float *xa,
+                    int P, int p, float *out, int N, int col) {
+    float *y[4];
+    const float *xt[4];
+    for (int j = 0; j < 4; j++) {             /* rows past m repeat the last one: computed, not stored */
+        const int t = rows[j < m ? j : m - 1];
+        y[j] = out + (int64_t)t * N + col;
+        xt[j] = xa + ((int64_t)t * P + p) * R;
+    }
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        v8 acc[4];
+        for (int j = 0; j < 4; j++) memcpy(&acc[j], y[j] + n, sizeof acc[j]);
+        for (int r = 0; r < R; r++) {
+            v8 b;
+            memcpy(&b, B + (int64_t)r * n_out + n, sizeof b);
+            for (int j = 0; j < 4; j++) acc[j] += xt[j][r] * b;
+        }
+        for (int j = 0; j < m; j++) memcpy(y[j] + n, &acc[j], sizeof acc[j]);
+    }
+    for (; n < n1; n++)
+        for (int j = 0; j < m; j++)
+            for (int r = 0; r < R; r++) y[j][n] += xt[j][r] * B[(int64_t)r * n_out + n];
+}
+
+/* out row t += B(A(x row t)) of row t's adapter, part by part (LoRABatch.add's arithmetic, summed in
+ * another order: close to it, not bit for bit). The rows are grouped by adapter slot, so each slot's A and
+ * B are read once per step whatever the number of its rows, and both phases share one parallel region
+ * (threads split A's rows, then B's column blocks): one fork per product, not one per slot and part, whose
+ * wake-ups cost more than the arithmetic at a few rows per adapter. Each row's sums run in the same order
+ * as that row alone. */
+static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N) {
+    const int R = s->rank, S = s->max_loras, P = lo->parts, NB = 64;
+    int first[S + 1], fill[S], chunk0[4] = {0}, col[3] = {0};
+    int *order = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
+    float *xa = malloc(sizeof(float) * (size_t)(T > 0 ? T : 1) * (size_t)(P * R > 0 ? P * R : 1));
+    memset(first, 0, sizeof first);
+    for (int t = 0; t < T; t++)                 /* rows by slot (counting sort; -1: the base model) */
+        if (s->row_slot[t] >= 0) first[s->row_slot[t] + 1]++;
+    for (int k = 0; k < S; k++) first[k + 1] += first[k], fill[k] = first[k];
+    for (int t = 0; t < T; t++)
+        if (s->row_slot[t] >= 0) order[fill[s->row_slot[t]]++] = t;
+    for (int p = 0; p < P; p++) {
+        chunk0[p + 1] = chunk0[p] + (lo->out[p] + NB - 1) / NB;
+        if (p + 1 < P) col[p + 1] = col[p] + lo->out[p];
+    }
+#pragma omp parallel num_threads(THREADS) if ((int64_t)first[S] * R * (K + N) >= 32768)
+    {
+#pragma omp for schedule(static)
+        for (int task = 0; task < P * S * R; task++) {       /* xa[t, p, r] = x_t . A[p, slot(t), r] */
+            const int p = task / (S * R), slot = task / R % S, r = task % R;
+            const float *A = lo->a + ((int64_t)(p * S + slot) * R + r) * K;
+            for (int i = first[slot]; i < first[slot + 1]; i += 4) {
+                const int m = first[slot + 1] - i < 4 ? first[slot + 1] - i : 4;
+                float d[4];
+                dots(A, x, K, order + i, m, d);
+                for (int j = 0; j < m; j++) xa[((int64_t)order[i + j] * P + p) * R + r] = d[j];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int c = 0; c < chunk0[P]; c++) {                 /* y[t, block] += xa[t, p] . B[p, slot(t)][:, block] */
+            int p = 0;
+            while (c >= chunk0[p + 1]) p++;
+            const int n_out = lo->out[p], n0 = (c - chunk0[p]) * NB, n1 = n0 + NB < n_out ? n0 + NB : n_out;
+            for (int slot = 0; slot < S; slot++)
+                for (int i = first[slot]; i < first[slot + 1]; i += 4)
+                    lora_b4(lo->b[p] + (int64_t)slot * R * n_out, n_out, R, n0, n1, order + i,
+                            first[slot + 1] - i < 4 ? first[slot + 1] - i : 4, xa, P, p, out, N, col[p]);
+        }
+    }
+    free(order);
+    free(xa);
 }
 
 static void product(const dstack_t *s, const packed_t *p, const lora_t *lo, const float *x, int T, int K,

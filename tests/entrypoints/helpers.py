@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,10 +13,26 @@ import time
 import httpx
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(run: int = 1) -> int:
+    """A loopback port, the first of `run` consecutive free ones. A run is taken below the kernel's
+    ephemeral range (where the suite's client sockets get their source ports, which could take a
+    run's later ports between this check and the server binding them)."""
+    if run == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - run)
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(first, first + run):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {run} consecutive free loopback ports")
 
 
 @contextlib.contextmanager
@@ -41,10 +58,11 @@ def serve_in_thread(app):
 
 
 @contextlib.contextmanager
-def serve_in_process(args: list[str], code: str | None = None, ready_timeout: float = 120.0):
+def serve_in_process(args: list[str], code: str | None = None, ready_timeout: float = 120.0, ports: int = 1):
     """`pagedserve serve ARGS` in a child process (or `python -c CODE` given the port as argv[1]).
-    Yields (base URL, Popen); kills it if the test leaves it running."""
-    port = free_port()
+    Yields (base URL, Popen); kills it if the test leaves it running. `ports`: how many consecutive
+    ports from the base one it listens on (--data-parallel-size N: the router and N replicas)."""
+    port = free_port(ports)
     if code is None:
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), *args]
     else:

@@ -144,7 +144,7 @@ def test_serve_data_parallel_size_starts_replicas_behind_the_router():
     assert replica_argv(["m.gguf", "--port", "9", "--data-parallel-size=2", "--num-kv-blocks", "40"], 8001, 1) == \
         ["m.gguf", "--num-kv-blocks", "40", "--host", "127.0.0.1", "--port", "8001", "--num-threads", "1"]
     with serve_in_process(["--data-parallel-size", "2", "--num-kv-blocks", "40", "--no-dashboard"],
-                          ready_timeout=240) as (base, proc):
+                          ready_timeout=240, ports=3) as (base, proc):
         rs = _run(base, family_prompts(5, n_families=2, per_family=3))
         assert all(r.status_code == 200 for r in rs)
         state = httpx.get(base + "/router/state").json()
