@@ -131,6 +131,42 @@ def test_adapter_rows_of_packed_weights_in_the_fused_decode_step(llama):
     assert all(v == 0 for v in llm.engine.held().values())
 
 
+def test_an_adapted_rows_fused_deltas_do_not_depend_on_the_rows_beside_it(llama):
+    """lora_add groups a step's rows by adapter and takes up to 4 of them per pass over A and B (a short
+    group repeats its last row, computed and not stored): each row must get its own adapter's delta
+    wherever it lands. One adapted request alone, then the same request among 9 others (5 on its adapter,
+    2 on the other, 2 on the base model): the same tokens, and logprobs within 1e-5 (not bit for bit: the
+    packed products with int8-rounded activations already differ in the last bits between 1 and 10 rows,
+    adapters or not; a row given another row's or adapter's delta moves them by far more)."""
+    d, models = llama
+    llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", quantization="int8",
+              num_kv_blocks=256, enable_prefix_caching=False, max_num_seqs=16)
+    model = llm.engine.model
+    assert packed_up_to(model, 16).startswith("decode steps: every layer in one native call")
+    head, head_rows = model.embed_tokens.weight, getattr(model.embed_tokens.weight, "small_m", None)
+    if head_rows is not None:           # the packed LM head too: one kernel for 1 and for 10 rows
+        head.small_m = 16
+    prompts = _prompts(models[None].config.vocab_size)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    fused, run, rows = model.fused, model.fused.run, []
+    fused.run = lambda x, pos, kv, md, lora=None: rows.append(x.shape[0]) or run(x, pos, kv, md, lora)
+    try:
+        alone = llm.generate({"prompt_token_ids": prompts[1]}, sp, use_tqdm=False, lora_request=_lora(d, "B"))[0]
+        names = ["B", "A", "B", None, "B", "B", "A", "B", None, "B"]
+        crowd = llm.generate([{"prompt_token_ids": prompts[i % 3][: 20 + i]} if i != 5 else
+                              {"prompt_token_ids": prompts[1]} for i in range(len(names))], sp, use_tqdm=False,
+                             lora_request=[_lora(d, n) for n in names])[5]
+    finally:
+        del fused.run
+        if head_rows is not None:
+            head.small_m = head_rows
+    assert max(rows) == len(names), "the crowded decode steps took the fused call"
+    a, b = alone.outputs[0], crowd.outputs[0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+
+
 @pytest.mark.parametrize("family,targets", [("phi3", ["qkv_proj"]), ("gemma2", ["q_proj", "k_proj"])])
 def test_other_families_equal_peft_merged(tmp_path_factory, tokenizer, family, targets):
     """Phi-3's checkpoints fuse qkv and gate_up as we do (PEFT adapts the fused modules); Gemma 2 runs the
