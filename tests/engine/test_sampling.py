@@ -183,3 +183,16 @@ def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
         assert last not in text and free.text.startswith(text)
     assert eng.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
     assert eng.counters.finished.get("length", 0) == counts.get("length", 0)
+
+
+def test_text_prompts_are_tokenized_in_one_batch_before_submit(llm, tokenizer, monkeypatch):
+    """LLM.generate tokenizes its text prompts in one batch call before any reaches the engine, and the
+    engine tokenizes none of them again: the same token ids as one by one, the text kept as the prompt."""
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    calls = []
+    eng_tokenize = llm.engine.tokenize
+    monkeypatch.setattr(llm.engine, "tokenize", lambda p: calls.append(isinstance(p, str)) or eng_tokenize(p))
+    outs = llm.generate(texts + [{"prompt_token_ids": [1000, 1001]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert calls == [False] * 4, "the engine was handed token ids, never text"
+    assert [o.prompt for o in outs] == texts + [None]
+    assert [o.prompt_token_ids for o in outs[:3]] == [tokenizer(t)["input_ids"] for t in texts]
