@@ -97,3 +97,8 @@ class Request:
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
                        RequestStatus.FINISHED_ERROR})
+
+
+def owner_id(req: Request) -> str:
+    """The user request a sequence belongs to: its first sequence carries the request's id."""
+    return req.parent_id or req.request_id

@@ -502,9 +502,9 @@ class Scheduler:
     # ------------------------------------------------------------ after the step
     def update_from_output(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> Iterator[SeqUpdate]:
         """Apply the runner's sampled tokens: fork n > 1 requests at their first token, append, and
-        finish on EOS, a stop token or length. Lazily: each token is applied as its update is taken,
-        so when the caller finishes a sequence on a stop string (they need text: the engine checks
-        those and calls finish()) the rest of a speculative run is never appended."""
+        finish on EOS, a stop token or length. Each token is applied as its update is taken (a sequence
+        ended meanwhile takes no more); the engine core takes them all, and a stop string its frontend
+        finds later in a speculative run ends the sequence then (finish()), its text and tokens cut there."""
         now = self.clock()
         for s in so.seqs:
             tokens = sampled.get(s.request_id)
@@ -558,7 +558,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Leave the batch now: free blocks, drop from whichever queue holds it (a no-op on a request
         that already finished). The one way a sequence ends: by its tokens here, a stop string found
-        by the output processor, an abort or a failure."""
+        by the frontend (EngineCore.finish), an abort or a failure."""
         if req.status.finished:
             return
         if req.status is RequestStatus.RUNNING:

@@ -1,47 +1,44 @@
 """What users see of a request: text (incremental detokenization), stop strings, logprobs, and
-`RequestOutput`s. A streaming request gets deltas after every step (only the new tokens, text and
-logprobs: O(1) per step however long the generation); any other request gets one full output
-when it finishes. Token appends, forks and the other finish checks belong to the scheduler."""
+`RequestOutput`s, made from the core's token ids alone (EngineCore's SeqTokens). A streaming request
+gets deltas after every step (only the new tokens, text and logprobs: O(1) per step however long the
+generation); any other request gets one full output when it finishes. Forks, appends and the other
+finish checks belong to the core's scheduler; a stop string found here ends the sequence in the core
+(LLMEngine asks it), and any tokens the core applied after it in the same step are dropped."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.step import SeqUpdate
-from pagedserve.engine.outputs import CompletionOutput, RequestFailure, RequestMetrics, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.outputs import (CompletionOutput, RequestFailure, RequestMetrics, RequestOutput, SeqTimes,
+                                       SeqToken)
+from pagedserve.sampling_params import PoolingParams, SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True, eq=False)
 class SeqOutput:
-    """One sequence's text and logprobs. Text is kept as settled parts plus a short pending tail
-    that a stop string could still cut; a stream hands its settled parts out (and drops them)
+    """One sequence's tokens, text and logprobs. Text is kept as settled parts plus a short pending
+    tail that a stop string could still cut; a stream hands its settled parts out (and drops them)
     after every step."""
 
-    request: Request
+    seq_id: str
     detok: IncrementalDetokenizer | None
     hold: int                                   # pending characters kept back (longest stop string - 1)
+    token_ids: list[int] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
     pending: str = ""
     logprobs: list | None = None
     cum_logprob: float = 0.0
     sent_tokens: int = 0                        # tokens already handed out (streams)
-    stop: str | None = None                     # the stop string found in its text (finish reason "stop")
-
-    def finish_reason(self) -> str | None:
-        """What the client sees: "stop" for a stop string found in the text, else the core's finish."""
-        status = self.request.status
-        return None if not status.finished else "stop" if self.stop is not None else status.value
-
-    def add_text(self, delta: str) -> None:
-        self.pending += delta
+    finish: str | None = None                   # what the client sees: "stop" | "length" | "abort" | "error"
+    stop: str | None = None                     # the stop string found in its text (finish "stop")
+    stop_reason: int | None = None              # the stop token that ended it (the core's)
+    times: SeqTimes = SeqTimes()
 
     def settle(self) -> None:
         """Move all pending text but the held-back tail (all of it once finished) into parts."""
-        keep = 0 if self.request.status.finished else self.hold
+        keep = 0 if self.finish is not None else self.hold
         if len(self.pending) > keep:
             cut = len(self.pending) - keep
             self.parts.append(self.pending[:cut])
@@ -50,12 +47,17 @@ class SeqOutput:
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """The engine's view of one user request: its n sequences' outputs. Status and stop reason
-    live on each `Request` (the scheduler owns them)."""
+    """The frontend's view of one user request: what it asked and its n sequences' outputs."""
 
     request_id: str
     prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
     stream: bool                                # deltas after every step, else one output at the end
+    num_samples: int
+    arrival_time: float
+    traffic_class: int = 0
+    pooling: PoolingParams | None = None        # an embedding request
     seqs: list[SeqOutput] = field(default_factory=list)
     error: RequestFailure | None = None
     prompt_logprobs: list | None = None         # [None, {...}, ...] as the prompt's chunks are computed
@@ -65,73 +67,83 @@ class RequestState:
     embedding: list[float] | None = None        # the pooled vector, once its prompt is done
 
     @property
-    def params(self) -> SamplingParams:
-        return self.seqs[0].request.params
-
-    @property
     def finished(self) -> bool:
-        first = self.seqs[0].request
-        if self.error is not None or first.status is RequestStatus.FINISHED_ABORTED:
+        if self.error is not None or self.seqs[0].finish == "abort":
             return True
-        return len(self.seqs) == first.num_samples and all(s.request.status.finished for s in self.seqs)
+        return len(self.seqs) == self.num_samples and all(s.finish is not None for s in self.seqs)
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler, counters):
+    def __init__(self, tokenizer, counters):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.counters = counters
 
-    def new_state(self, request_id: str, prompt: str | None, req: Request, stream: bool) -> RequestState:
-        st = RequestState(request_id, prompt, stream)
-        if req.params.prompt_logprobs is not None:
+    def new_state(self, st: RequestState) -> RequestState:
+        if st.params.prompt_logprobs is not None:
             st.prompt_logprobs = [None]
-        self.add_seq(st, req)
+        self._add_seq(st, st.request_id)
         return st
 
-    def add_seq(self, st: RequestState, req: Request) -> None:
-        p = req.params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens) \
+    def _add_seq(self, st: RequestState, seq_id: str) -> SeqOutput:
+        p = st.params
+        detok = IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.skip_special_tokens) \
             if (st.stream or p.stop) and p.detokenize else None
         hold = max(len(s) for s in p.stop) - 1 if p.stop else 0
-        st.seqs.append(SeqOutput(req, detok, hold, logprobs=[] if p.logprobs is not None else None))
+        seq = SeqOutput(seq_id, detok, hold, logprobs=[] if p.logprobs is not None else None)
+        st.seqs.append(seq)
+        return seq
 
-    def observe(self, st: RequestState, u: SeqUpdate, smp) -> None:
-        """Logprobs, text and stop strings for one new token (the scheduler has appended it)."""
-        req, tok, p = u.request, u.token_id, st.params
-        seq = st.seqs[req.seq_index]
-        if req.seq_index == 0 and req.num_output_tokens == 1:
-            self.counters.prompt_tokens += req.num_prompt_tokens
+    def observe(self, st: RequestState, t: SeqToken) -> bool:
+        """Logprobs, text and stop strings for one new token. True when a stop string ended the sequence
+        at this token while the core still runs it (the caller ends it there)."""
+        p = st.params
+        seq = st.seqs[t.seq_index] if t.seq_index < len(st.seqs) else self._add_seq(st, t.seq_id)  # forks: in order
+        if seq.finish is not None:              # after a stop string in the same speculative run: dropped
+            return False
+        seq.token_ids.append(t.token_id)
+        seq.times = t.times
+        if t.seq_index == 0 and len(seq.token_ids) == 1:
+            self.counters.prompt_tokens += len(st.prompt_token_ids)
         self.counters.generation_tokens += 1
-        if smp.logprobs is not None:
-            seq.logprobs.append(smp.logprobs)
-            seq.cum_logprob += smp.logprobs[tok].logprob
+        if t.logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.append(t.logprobs)
+            seq.cum_logprob += t.logprobs[t.token_id].logprob
+        stopped = False
         if seq.detok is not None:
-            delta = seq.detok.add(tok)
-            seq.add_text(delta)
-            if p.stop and delta and req.num_output_tokens >= p.min_tokens:
-                self._check_stop_strings(seq, len(delta))
-        if req.status.finished:
-            self.counters.count_finish(seq.finish_reason())
-            if seq.detok is not None and req.status is RequestStatus.FINISHED_LENGTH and seq.stop is None:
-                seq.add_text(seq.detok.flush())
+            delta = seq.detok.add(t.token_id)
+            seq.pending += delta
+            if p.stop and delta and len(seq.token_ids) >= p.min_tokens:
+                stopped = self._check_stop_strings(seq, p, len(delta))
+        if seq.finish is None and t.finish is not None:
+            seq.finish, seq.stop_reason = t.finish, t.stop_reason
+        if seq.finish is not None:
+            self.counters.count_finish(seq.finish)
+            if seq.detok is not None and seq.finish == "length" and seq.stop is None:
+                seq.pending += seq.detok.flush()
             if seq.detok is None and p.detokenize:
-                seq.add_text(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens))
+                seq.pending += self.tokenizer.decode(seq.token_ids, skip_special_tokens=p.skip_special_tokens)
         seq.settle()
+        return stopped and t.finish is None
 
-    def _check_stop_strings(self, seq: SeqOutput, delta_len: int) -> None:
-        """A stop string in the text ends the sequence: the text is cut here and the finish reason is
-        this processor's ("stop", the string); the core is asked to end the sequence unless the same
-        token already ended it (by length or EOS), whose label stays the core's own."""
-        text, p = seq.pending, seq.request.params
+    @staticmethod
+    def _check_stop_strings(seq: SeqOutput, p: SamplingParams, delta_len: int) -> bool:
+        """A stop string in the text ends the sequence: the text is cut here, finish "stop" with the string
+        as its stop reason (also when the same token ended it by length or EOS in the core)."""
+        text = seq.pending
         for stop in p.stop:
             k = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
             if k >= 0:
                 seq.pending = text[: k + len(stop)] if p.include_stop_str_in_output else text[:k]
-                seq.stop = stop
-                if not seq.request.status.finished:
-                    self.scheduler.finish(seq.request, RequestStatus.FINISHED_STOPPED)
-                return
+                seq.stop, seq.finish = stop, "stop"
+                return True
+        return False
+
+    def end(self, st: RequestState, finish: str) -> None:
+        """An abort or a failure: every sequence not yet finished ends with `finish`, counted once each."""
+        for seq in st.seqs:
+            if seq.finish is None:
+                seq.finish = finish
+        self.counters.count_finish(finish)
 
     def output(self, st: RequestState) -> RequestOutput:
         """Deltas for a stream (and marks them handed out); the whole output otherwise."""
@@ -141,24 +153,21 @@ class OutputProcessor:
                 seq.settle()
         outs = []
         for i, seq in enumerate(st.seqs):
-            r = seq.request
+            text, start = "".join(seq.parts), seq.sent_tokens if st.stream else 0
             if st.stream:
-                text, start = "".join(seq.parts), seq.sent_tokens
                 seq.parts.clear()
-                seq.sent_tokens = r.num_output_tokens
-            else:
-                text, start = "".join(seq.parts), 0
-            outs.append(CompletionOutput(i, text, r.output_token_ids[start:],
+                seq.sent_tokens = len(seq.token_ids)
+            outs.append(CompletionOutput(i, text, seq.token_ids[start:],
                                          seq.cum_logprob if seq.logprobs is not None else None,
                                          None if seq.logprobs is None else seq.logprobs[start:],
-                                         seq.finish_reason(), seq.stop if seq.stop is not None else r.stop_reason))
-        r0 = st.seqs[0].request
+                                         seq.finish, seq.stop if seq.stop is not None else seq.stop_reason))
         plp = None
         if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and (
-                finished or (st.stream and len(st.prompt_logprobs) == r0.num_prompt_tokens)):
+                finished or (st.stream and len(st.prompt_logprobs) == len(st.prompt_token_ids))):
             plp, st.prompt_logprobs_sent = st.prompt_logprobs, True
-        m = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time, r0.last_token_time,
-                           time.monotonic() if finished else None, sum(s.request.num_preemptions for s in st.seqs),
-                           r0.traffic_class)
-        return RequestOutput(st.request_id, st.prompt, r0.prompt_token_ids, outs, finished,
-                             max(0, r0.num_cached_tokens), m, st.error, plp, st.embedding if finished else None)
+        t = st.seqs[0].times
+        m = RequestMetrics(st.arrival_time, t.first_scheduled_time, t.first_token_time, t.last_token_time,
+                           time.monotonic() if finished else None, sum(s.times.num_preemptions for s in st.seqs),
+                           st.traffic_class)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, finished, t.num_cached_tokens, m,
+                             st.error, plp, st.embedding if finished else None)

@@ -74,6 +74,42 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                    else a.prompt_logprobs)
 
 
+@dataclass(slots=True, frozen=True)
+class SeqTimes:
+    """A sequence's progress as the core saw it at a token (what RequestMetrics reports)."""
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0              # its prompt's prefix-cache hit
+
+
+@dataclass(slots=True)
+class SeqToken:
+    """One new token of one sequence, as the core applied it (EngineCore.step): values, no core objects."""
+
+    seq_id: str
+    owner_id: str                           # the user request's id (its first sequence's)
+    seq_index: int                          # which of the request's n samples
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    finish: str | None                      # the core ended the sequence here: "stop" (EOS, stop token, grammar) | "length"
+    stop_reason: int | None                 # the stop token that ended it
+    times: SeqTimes
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """What one core step hands its frontend."""
+
+    tokens: list[SeqToken] = field(default_factory=list)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)   # request id -> this step's chunk of them
+    pooled: dict[str, tuple] = field(default_factory=dict)           # request id -> (sum of pooled rows, rows)
+    failed: tuple[str, ...] = ()            # requests whose step failed: the frontend ends them with `error`
+    error: RequestFailure | None = None
+
+
 @dataclass(slots=True)
 class StepStats:
     """One engine step, as the scheduler and runner saw it (read by /metrics and the benchmarks)."""

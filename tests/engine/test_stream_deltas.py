@@ -70,7 +70,7 @@ def test_a_lagging_stream_gets_its_deltas_merged(tiny_engine):
             lagged = []
             async for o in slow:
                 lagged.append(o)
-                await asyncio.sleep(0.05)          # a client slower than the engine's steps
+                await asyncio.sleep(0.2)           # a client far slower than the engine's steps (also on a busy host)
             whole = [o async for o in await aeng.add_request("whole", [1, 2, 3], sp, stream=False)]
         finally:
             aeng.shutdown()
@@ -85,3 +85,41 @@ def test_a_lagging_stream_gets_its_deltas_merged(tiny_engine):
             assert joined(outs, "token_ids") == want.token_ids and len(joined(outs, "logprobs")) == 300
             assert "".join(c.text for o in outs for c in o.outputs if c.index == i) == want.text
         assert [c.finish_reason for c in lagged[-1].outputs] == ["length", "length"]
+
+
+def test_the_core_hands_its_frontend_token_ids_as_values(tiny_engine, monkeypatch):
+    """EngineCore.step returns values only (SeqToken: ids, logprobs, finish, timings; never the core's
+    Request objects), and the frontend's outputs are made from them alone: each sequence's token ids are
+    the ones its SeqTokens carried, in order, n = 2 forks and a seeded sampler included."""
+    import dataclasses
+
+    from pagedserve.core.request import Request
+    from pagedserve.engine.outputs import EngineCoreOutputs, SeqTimes, SeqToken
+    from pagedserve.runner.sampler import Logprob
+    eng = tiny_engine
+    step, seen = eng.core.step, []
+    monkeypatch.setattr(eng.core, "step", lambda: seen.append(step()) or seen[-1])
+    eng.add_request("seam", {"prompt_token_ids": list(range(300, 340))},
+                    SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, logprobs=1, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+
+    def values(x):                  # every leaf a plain value: no core object can cross the seam
+        if isinstance(x, (EngineCoreOutputs, SeqToken, SeqTimes, Logprob)):
+            return all(values(getattr(x, f.name)) for f in dataclasses.fields(x))
+        if isinstance(x, dict):
+            return all(values(k) and values(v) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return all(values(v) for v in x)
+        return not isinstance(x, Request) and isinstance(x, (str, int, float, type(None)))
+    assert seen and all(values(co) for co in seen)
+    carried = {}
+    for co in seen:
+        for t in co.tokens:
+            assert t.owner_id == "seam"
+            carried.setdefault(t.seq_index, []).append(t.token_id)
+    final = outs[-1]
+    assert final.finished and [o.token_ids for o in final.outputs] == [carried[0], carried[1]]
+    assert all(len(ids) == 12 for ids in carried.values()) and carried[0] != carried[1]
+    assert all(v == 0 for v in eng.held().values())
