@@ -261,11 +261,12 @@ static void lora_b4(const float *B, int n_out, int R, int n0, int n1, const int 
  * (threads split A's rows, then B's column blocks): one fork per product, not one per slot and part, whose
  * wake-ups cost more than the arithmetic at a few rows per adapter. Each row's sums run in the same order
  * as that row alone. */
-static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N) {
+static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N,
+                     float *scratch) {
     const int R = s->rank, S = s->max_loras, P = lo->parts, NB = 64;
     int first[S + 1], fill[S], chunk0[4] = {0}, col[3] = {0};
-    int *order = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
-    float *xa = malloc(sizeof(float) * (size_t)(T > 0 ? T : 1) * (size_t)(P * R > 0 ? P * R : 1));
+    int *order = (int *)scratch;                /* T row indices, then xa: T x parts x rank (decode_layers' buffer) */
+    float *xa = scratch + T;
     memset(first, 0, sizeof first);
     for (int t = 0; t < T; t++)                 /* rows by slot (counting sort; -1: the base model) */
         if (s->row_slot[t] >= 0) first[s->row_slot[t] + 1]++;
@@ -300,17 +301,15 @@ static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T,
                             first[slot + 1] - i < 4 ? first[slot + 1] - i : 4, xa, P, p, out, N, col[p]);
         }
     }
-    free(order);
-    free(xa);
 }
 
 static void product(const dstack_t *s, const packed_t *p, const lora_t *lo, const float *x, int T, int K,
-                    float *out) {
+                    float *out, float *lora_scratch) {
     s->qmm(x, T, K, K, p->w, p->fmt, p->N, p->row_bytes, out, p->N);
     if (p->bias)
         for (int t = 0; t < T; t++)
             for (int n = 0; n < p->N; n++) out[(int64_t)t * p->N + n] += p->bias[n];
-    if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, p->N);
+    if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, p->N, lora_scratch);
 }
 
 /* x: T decode rows (one per sequence) of the residual stream, H wide, updated in place through every layer;
@@ -320,16 +319,18 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
                   const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *context_lens) {
     const int H = s->H, nh = s->nh, nkv = s->nkv, hd = s->hd, I = s->I;
     const int nqkv = (nh + 2 * nkv) * hd, nq = nh * hd;
-    float *buf = malloc(sizeof(float) * (size_t)T * (H + nqkv + 2 * nq + H + 3 * I + H));
+    const int lora = s->row_slot ? 1 + 3 * s->rank : 0;     /* lora_add's scratch, a row: its index, xa */
+    float *buf = malloc(sizeof(float) * (size_t)T * (H + nqkv + 2 * nq + H + 3 * I + H + lora));
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)T * H, *q = qkv + (size_t)T * nqkv, *o = q + (size_t)T * nq;
     float *y = o + (size_t)T * nq, *gu = y + (size_t)T * H, *a = gu + (size_t)T * 2 * I, *d = a + (size_t)T * I;
+    float *ls = d + (size_t)T * H;
     double t = s->prof ? now_s() : 0.0;
     for (int l = 0; l < s->L; l++) {
         const dlayer_t *ly = &s->layers[l];
         add_rms_norm(x, NULL, NULL, ly->attn_norm, h, T, H, s->eps);
         LAP(2);
-        product(s, &ly->qkv, ly->lora[0], h, T, H, qkv);
+        product(s, &ly->qkv, ly->lora[0], h, T, H, qkv, ls);
         LAP(0);
         rope_kv(qkv, nqkv, cos_, sin_, rot, q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, slots, T,
                 nh, nkv, hd);
@@ -337,15 +338,15 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
         s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, T, nh,
                 nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
         LAP(1);
-        product(s, &ly->o, ly->lora[1], o, T, nq, y);
+        product(s, &ly->o, ly->lora[1], o, T, nq, y, ls);
         LAP(0);
         add_rms_norm(x, y, x, ly->mlp_norm, h, T, H, s->eps);         /* x += y in place, h = its norm */
         LAP(2);
-        product(s, &ly->gate_up, ly->lora[2], h, T, H, gu);
+        product(s, &ly->gate_up, ly->lora[2], h, T, H, gu, ls);
         LAP(0);
         silu_mul(gu, 2 * I, a, T, I);
         LAP(2);
-        product(s, &ly->down, ly->lora[3], a, T, I, d);
+        product(s, &ly->down, ly->lora[3], a, T, I, d, ls);
         LAP(0);
         for (int64_t i = 0; i < (int64_t)T * H; i++) x[i] += d[i];
         LAP(2);
