@@ -377,19 +377,15 @@ class EngineCore:
             req.grammar = self.scheduler.grammar.matcher(req.params.structured_outputs)
         self.scheduler.add_request(req)
 
-    def abort(self, seq_ids: list[str]) -> None:
-        """End these sequences because their client went away (or asked): status "abort"."""
-        for sid in seq_ids:
-            self.scheduler.abort(sid)
-        if self._retired_loras:
-            self._drop_retired_loras()
-
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
-        """End these sequences now (a stop string the frontend found, a failure); no-op on ended ones."""
+        """End these sequences now (a stop string the frontend found, an abort, a failure); a no-op on
+        ended ones. An unloaded adapter's weights go with the last sequence that used it."""
         for sid in seq_ids:
             req = self.scheduler.requests.get(sid)
             if req is not None:
                 self.scheduler.finish(req, status)
+        if self._retired_loras:
+            self._drop_retired_loras()
 
     def held(self) -> dict[str, int]:
         return {**self.scheduler.held(), **self.kv.held(), **self.runner.sampler.held()}

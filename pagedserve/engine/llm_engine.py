@@ -6,6 +6,7 @@ statistics) reads through `engine.<name>` (e.g. engine.scheduler, engine.kv): on
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -17,6 +18,8 @@ from pagedserve.engine.outputs import RequestFailure, RequestOutput
 from pagedserve.errors import ParamError
 from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import PoolingParams, SamplingParams
+
+log = logging.getLogger("pagedserve")
 
 
 class LLMEngine:
@@ -90,21 +93,19 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""
-        st = self.states.pop(request_id, None)
-        if st is None:
-            return None
-        self.core.abort([s.seq_id for s in st.seqs])
-        self.outputs.end(st, "abort")
-        return self.outputs.output(st)
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def fail_request(self, request_id: str, error: RequestFailure) -> RequestOutput | None:
         """End a request with an error (a fault in its step, a timeout, shutdown): finish reason "error"."""
+        return self._end(request_id, RequestStatus.FINISHED_ERROR, error)
+
+    def _end(self, request_id: str, status: RequestStatus, error: RequestFailure | None = None) -> RequestOutput | None:
         st = self.states.pop(request_id, None)
         if st is None:
             return None
         st.error = error
-        self.core.finish([s.seq_id for s in st.seqs], RequestStatus.FINISHED_ERROR)
-        self.outputs.end(st, "error")
+        self.core.finish([s.seq_id for s in st.seqs], status)
+        self.outputs.end(st, status.value)
         return self.outputs.output(st)
 
     def held(self) -> dict[str, int]:
@@ -119,10 +120,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One core step, its token ids made outputs. A fault in the step fails only the requests it ran
-        (finish reason "error"); a fault in the scheduler raises EngineDeadError."""
+        """One core step, its token ids made outputs. A fault in the core's step fails the requests it ran,
+        a fault in making one request's output fails that request alone (finish reason "error"); a fault
+        in the scheduler raises EngineDeadError."""
         co = self.core.step()
-        outs = [o for o in (self.fail_request(rid, co.error) for rid in co.failed) if o is not None]
+        outs = [self.fail_request(rid, co.error) for rid in co.failed]
         touched: dict[str, RequestState] = {}
         for rid, lps in co.prompt_logprobs.items():
             st = touched[rid] = self.states[rid]    # prompt chunks run before any fork: rid is the request's own
@@ -133,20 +135,38 @@ class LLMEngine:
             st.pool_rows += rows
         stopped = []
         for t in co.tokens:
-            st = touched[t.owner_id] = self.states[t.owner_id]
-            if self.outputs.observe(st, t):
-                stopped.append(t.seq_id)
-            if st.pooling is not None and st.pool_sum is not None and st.finished:
-                st.embedding = _pooled(st, st.pooling)
-        if stopped:                             # stop strings: the core ends those sequences now
+            st = self.states.get(t.owner_id)
+            if st is None:                          # its output failed earlier in this step
+                continue
+            touched[t.owner_id] = st
+            try:
+                if self.outputs.observe(st, t):
+                    stopped.append(t.seq_id)
+                if st.pooling is not None and st.pool_sum is not None and st.finished:
+                    st.embedding = _pooled(st, st.pooling)
+            except Exception as e:
+                outs.append(self._fault(st, e))
+        if stopped:                                 # stop strings: the core ends those sequences now
             self.core.finish(stopped, RequestStatus.FINISHED_STOPPED)
         for st in touched.values():
-            if st.stream or st.finished:
-                outs.append(self.outputs.output(st))
+            if (st.stream or st.finished) and st.request_id in self.states:
+                try:
+                    outs.append(self.outputs.output(st))
+                except Exception as e:
+                    outs.append(self._fault(st, e))
+                    continue
                 if st.finished:
                     del self.states[st.request_id]
-        return outs
+        return [o for o in outs if o is not None]
 
+    def _fault(self, st: RequestState, e: Exception) -> RequestOutput | None:
+        log.exception("making request %s's output failed; failing that request", st.request_id)
+        err = RequestFailure("internal_error", f"making this request's output failed: {type(e).__name__}: {e}")
+        try:
+            return self.fail_request(st.request_id, err)
+        except Exception:           # not even its failed output can be made: the failure alone (state gone)
+            log.exception("request %s: no output to fail it with", st.request_id)
+            return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [], True, error=err)
 
 def _pooled(st: RequestState, pooling: PoolingParams) -> list[float]:
     """The embedding of a finished pooling request: the mean (or the one row) of its pooled hidden

@@ -190,17 +190,8 @@ static double now_s(void) {
 /* with s->prof: the time since *t added to prof[k], *t moved on */
 #define LAP(k) do { if (s->prof) { double t_ = now_s(); s->prof[k] += t_ - t; t = t_; } } while (0)
 
-static float dot(const float *a, const float *b, int n) {
-    v16 acc = splat(0.0f);
-    int i = 0;
-    for (; i + 16 <= n; i += 16) acc += load_f32(a + i) * load_f32(b + i);
-    float d = hsum(acc);
-    for (; i < n; i++) d += a[i] * b[i];
-    return d;
-}
-
 /* d[j] = a . x row rows[j] for m <= 4 rows, reading a once: 8-lane accumulators, two per row (16 floats a
- * step), kept in registers (the 16-lane `dot` spills its accumulator on AVX2 inside OpenMP regions) */
+ * step), kept in registers (a 16-lane accumulator was kept on the stack on AVX2 inside OpenMP regions) */
 static void dots(const float *a, const float *x, int K, const int *rows, int m, float *d) {
     v8 acc[4][2] = {{{0}}};
     const float *xr[4];
@@ -257,10 +248,9 @@ static void lora_b4(const float *B, int n_out, int R, int n0, int n1, const int 
 
 /* out row t += B(A(x row t)) of row t's adapter, part by part (LoRABatch.add's arithmetic, summed in
  * another order: close to it, not bit for bit). The rows are grouped by adapter slot, so each slot's A and
- * B are read once per step whatever the number of its rows, and both phases share one parallel region
- * (threads split A's rows, then B's column blocks): one fork per product, not one per slot and part, whose
- * wake-ups cost more than the arithmetic at a few rows per adapter. Each row's sums run in the same order
- * as that row alone. */
+ * B are read once per step whatever the number of its rows (row by row, 16 rows of 4 adapters read each
+ * adapter 4 times); one parallel region, threads splitting A's rows, then B's column blocks. Each row's
+ * sums run in the same order as that row alone. */
 static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T, int K, float *out, int N,
                      float *scratch) {
     const int R = s->rank, S = s->max_loras, P = lo->parts, NB = 64;

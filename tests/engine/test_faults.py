@@ -86,3 +86,30 @@ def test_fail_request_and_abort_are_distinct(engine):
     assert eng.step() == [] and eng.counters.steps == 1                  # ... and is not counted as a step
     assert not eng.has_unfinished_requests() and not any(eng.held().values())
     assert eng.scheduler.requests == {} and RequestStatus.FINISHED_ERROR.finished
+
+
+@pytest.mark.parametrize("where", ["observe", "output"])
+def test_a_fault_making_one_requests_output_fails_it_alone(engine, monkeypatch, where):
+    """The frontend's side of a step (detokenizing, stop strings, the output itself) failing for one request
+    fails that request alone, with an error, its blocks freed; the request beside it in the same steps
+    finishes whole, and the engine serves on. With `output` failing every time for it, the failure is still
+    reported (an output with the error and no sequences)."""
+    eng = engine
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng.add_request("bad", [1, 2, 3, 4, 5], sp)
+    eng.add_request("good", [1, 2, 3, 4, 5], sp)
+    real = getattr(eng.outputs, where)
+
+    def faulty(st, *a):
+        if st.request_id == "bad" and (where == "output" or len(st.seqs[0].token_ids) == 2):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(st, *a)
+    monkeypatch.setattr(eng.outputs, where, faulty)
+    done = _run(eng)
+    assert done["bad"].error.kind == "internal_error" and "injected" in done["bad"].error.message
+    assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 6
+    assert eng.counters.finished.get("error") == 1
+    assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:]) and all(v == 0 for v in eng.held().values())
+    monkeypatch.undo()
+    eng.add_request("next", [1, 2, 3, 4, 5], sp)
+    assert _run(eng)["next"].outputs[0].token_ids == done["good"].outputs[0].token_ids

@@ -21,9 +21,8 @@ def free_port(run: int = 1) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(20000, 32000 - run)
+        first = random.randrange(20000, 32000 - run)
         try:
             with contextlib.ExitStack() as stack:
                 for p in range(first, first + run):
