@@ -5,7 +5,9 @@ thread-safe queue and read outputs from a per-request `RequestStream`. After eac
 thread hands the step's outputs to the event loop once (one loop.call_soon_threadsafe per step, not
 per request); a stream whose client has not taken its last delta yet gets the new one merged into it
 (a lagging client receives fewer, larger chunks; nothing queues up behind it). Everything that changes
-engine state (add, abort, fail, time out) runs in the engine thread, between steps.
+engine state (add, abort, fail, time out) runs in the engine thread, between steps. A request's stream
+is kept in its RequestState (`sink`), in the engine's one registry; the deadline heap is an index into
+that registry (entries of ended requests are skipped).
 
 Failures stay local and are reported as failures: a fault in a step fails the requests of that
 step (LLMEngine.step); a request older than `request_timeout_s` fails with a timeout; if the
@@ -24,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.lora_request import LoRARequest
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.core.request import RequestStatus
+from pagedserve.engine.llm_engine import Delivery, LLMEngine
 from pagedserve.engine.outputs import RequestFailure, RequestOutput, merge_deltas
 from pagedserve.errors import EngineDeadError
 from pagedserve.sampling_params import SamplingParams
@@ -148,8 +151,7 @@ class AsyncLLMEngine:
         self.on_stepped: Callable | None = None   # (engine), after each step (the step trace)
         self._inbox: queue.Queue[_Submit | Callable[[], None]] = queue.Queue()
         self._lock = threading.Lock()             # orders submissions against the engine's death
-        self._streams: dict[str, RequestStream] = {}
-        self._deadlines: list[tuple[float, str]] = []     # heap, engine thread only
+        self._deadlines: list[tuple[float, str]] = []     # heap over engine.states, engine thread only
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self.run, name="pagedserve-engine", daemon=True) if start_thread else None
@@ -180,13 +182,13 @@ class AsyncLLMEngine:
         return rs
 
     def abort(self, request_id: str) -> None:
-        self._call(lambda: self._deliver([self.engine.abort(request_id)]))
+        self._call(lambda: self._deliver([self.engine.end(request_id, RequestStatus.FINISHED_ABORTED)]))
 
     def fail_all(self, kind: str, message: str) -> None:
         """End every request in flight with an error (used at the end of a graceful shutdown)."""
         def fail():
             err = RequestFailure(kind, message)
-            self._deliver([self.engine.fail_request(rid, err) for rid in list(self.engine.states)])
+            self._deliver([self.engine.end(rid, RequestStatus.FINISHED_ERROR, err) for rid in list(self.engine.states)])
         self._call(fail)
 
     def num_unfinished(self) -> int:
@@ -228,7 +230,7 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=self._idle_wait_s())
                     self._wake.clear()
                     continue
-                outs = self.engine.step()
+                outs = self.engine.step_states()
                 if self.on_stepped is not None:
                     self.on_stepped(self.engine)
                 self._deliver(outs)
@@ -247,11 +249,11 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(item.out.request_id, item.prompt, item.params, priority=item.priority,
                                         stream=item.stream, arrival_time=item.arrival_time,
-                                        traffic_class=item.traffic_class, lora_request=item.lora_request)
+                                        traffic_class=item.traffic_class, lora_request=item.lora_request,
+                                        sink=item.out)
             except Exception as e:      # reported to the caller; the engine changed nothing
                 item.resolve(e)
                 continue
-            self._streams[item.out.request_id] = item.out
             if self.request_timeout_s is not None:
                 self._push_deadline(item.arrival_time + self.request_timeout_s, item.out.request_id)
             item.resolve(None)
@@ -262,13 +264,13 @@ class AsyncLLMEngine:
         most 2 x (requests in flight) + DEADLINES_SLACK entries rather than every request of the
         last --request-timeout seconds."""
         heapq.heappush(self._deadlines, (deadline, request_id))
-        if len(self._deadlines) > 2 * len(self._streams) + DEADLINES_SLACK:
-            self._deadlines = [d for d in self._deadlines if d[1] in self._streams]
+        if len(self._deadlines) > 2 * len(self.engine.states) + DEADLINES_SLACK:
+            self._deadlines = [d for d in self._deadlines if d[1] in self.engine.states]
             heapq.heapify(self._deadlines)
 
     def held(self) -> dict[str, int]:
-        """Per-request entries: the engine's, plus this frontend's streams and deadlines."""
-        return {**self.engine.held(), "async.streams": len(self._streams), "async.deadlines": len(self._deadlines)}
+        """Per-request entries: the engine's, plus this frontend's deadline heap."""
+        return {**self.engine.held(), "async.deadlines": len(self._deadlines)}
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -278,31 +280,29 @@ class AsyncLLMEngine:
         if expired:
             err = RequestFailure("timeout", f"the request did not finish within --request-timeout "
                                             f"({self.request_timeout_s:g} s)")
-            self._deliver([self.engine.fail_request(rid, err) for rid in expired])
+            self._deliver([self.engine.end(rid, RequestStatus.FINISHED_ERROR, err) for rid in expired])
 
     def _idle_wait_s(self) -> float:
         if not self._deadlines:
             return 0.5
         return min(0.5, max(0.0, self._deadlines[0][0] - time.monotonic()))
 
-    def _deliver(self, outs: list[RequestOutput | None]) -> None:
-        outs = [o for o in outs if o is not None]
+    def _deliver(self, delivered: list[Delivery | None]) -> None:
+        delivered = [d for d in delivered if d is not None]
         if self.on_step is not None:
             try:
-                self.on_step(self.engine, outs)
+                self.on_step(self.engine, [out for _, out in delivered])
             except Exception:
                 log.exception("on_step callback failed (metrics); serving goes on")
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for st, out in delivered:
+            if st.sink is not None:
+                by_loop.setdefault(st.sink.loop, []).append((st.sink, out))
         for loop, items in by_loop.items():          # one hand-off per step (per event loop: the server has one)
             try:
                 loop.call_soon_threadsafe(_push_all, items)
             except RuntimeError:                     # that event loop is closed: nobody reads these streams
                 for stream, out in items:
-                    self._streams.pop(stream.request_id, None)
                     if not out.finished:
                         self.engine.abort(out.request_id)
 
@@ -318,8 +318,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(item, (_Submit, _Call)):
                 item.resolve(err)
-        streams, self._streams = list(self._streams.values()), {}
-        for s in streams:
-            s.put(err)
+        for st in list(self.engine.states.values()):
+            if st.sink is not None:
+                st.sink.put(err)
         if self.on_dead is not None:
             self.on_dead(err)

@@ -21,6 +21,8 @@ from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 log = logging.getLogger("pagedserve")
 
+Delivery = tuple[RequestState, RequestOutput]      # an output and the state of the request it belongs to
+
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
@@ -49,10 +51,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None,
-                    traffic_class: str | None = None, lora_request: LoRARequest | None = None) -> str:
+                    traffic_class: str | None = None, lora_request: LoRARequest | None = None,
+                    sink: object = None) -> str:
         """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
         hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request).
-        `lora_request`: the LoRA adapter it runs with (enable_lora)."""
+        `lora_request`: the LoRA adapter it runs with (enable_lora). `sink`: where a frontend delivers
+        its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry."""
         core = self.core
         pooling = None
         if isinstance(params, PoolingParams):
@@ -88,25 +92,28 @@ class LLMEngine:
         req.lora_id = core.lora_id(lora_request)
         core.add(req)                   # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(RequestState(
-            request_id, text, ids, params, stream, params.n, req.arrival_time, klass, pooling))
+            request_id, text, ids, params, stream, params.n, req.arrival_time, klass, pooling, sink))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""
-        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
+        ended = self.end(request_id, RequestStatus.FINISHED_ABORTED)
+        return ended and ended[1]
 
     def fail_request(self, request_id: str, error: RequestFailure) -> RequestOutput | None:
         """End a request with an error (a fault in its step, a timeout, shutdown): finish reason "error"."""
-        return self._end(request_id, RequestStatus.FINISHED_ERROR, error)
+        ended = self.end(request_id, RequestStatus.FINISHED_ERROR, error)
+        return ended and ended[1]
 
-    def _end(self, request_id: str, status: RequestStatus, error: RequestFailure | None = None) -> RequestOutput | None:
+    def end(self, request_id: str, status: RequestStatus, error: RequestFailure | None = None) -> Delivery | None:
+        """End a request now (abort or failure; None if it has ended already): its state and last output."""
         st = self.states.pop(request_id, None)
         if st is None:
             return None
         st.error = error
         self.core.finish([s.seq_id for s in st.seqs], status)
         self.outputs.end(st, status.value)
-        return self.outputs.output(st)
+        return st, self.outputs.output(st)
 
     def held(self) -> dict[str, int]:
         """Entries per request-keyed structure of the engine and its core (every count is 0 once all
@@ -120,11 +127,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One core step, its token ids made outputs. A fault in the core's step fails the requests it ran,
-        a fault in making one request's output fails that request alone (finish reason "error"); a fault
-        in the scheduler raises EngineDeadError."""
+        """One core step, its token ids made outputs (step_states without the states)."""
+        return [out for _, out in self.step_states()]
+
+    def step_states(self) -> list[Delivery]:
+        """One core step, its token ids made outputs, each with its request's state (whose `sink` says
+        where a frontend delivers it). A fault in the core's step fails the requests it ran, a fault in
+        making one request's output fails that request alone (finish reason "error"); a fault in the
+        scheduler raises EngineDeadError."""
         co = self.core.step()
-        outs = [self.fail_request(rid, co.error) for rid in co.failed]
+        outs = [self.end(rid, RequestStatus.FINISHED_ERROR, co.error) for rid in co.failed]
         touched: dict[str, RequestState] = {}
         for rid, lps in co.prompt_logprobs.items():
             st = touched[rid] = self.states[rid]    # prompt chunks run before any fork: rid is the request's own
@@ -151,7 +163,7 @@ class LLMEngine:
         for st in touched.values():
             if (st.stream or st.finished) and st.request_id in self.states:
                 try:
-                    outs.append(self.outputs.output(st))
+                    outs.append((st, self.outputs.output(st)))
                 except Exception as e:
                     outs.append(self._fault(st, e))
                     continue
@@ -159,14 +171,15 @@ class LLMEngine:
                     del self.states[st.request_id]
         return [o for o in outs if o is not None]
 
-    def _fault(self, st: RequestState, e: Exception) -> RequestOutput | None:
+    def _fault(self, st: RequestState, e: Exception) -> Delivery | None:
         log.exception("making request %s's output failed; failing that request", st.request_id)
         err = RequestFailure("internal_error", f"making this request's output failed: {type(e).__name__}: {e}")
         try:
-            return self.fail_request(st.request_id, err)
+            return self.end(st.request_id, RequestStatus.FINISHED_ERROR, err)
         except Exception:           # not even its failed output can be made: the failure alone (state gone)
             log.exception("request %s: no output to fail it with", st.request_id)
-            return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [], True, error=err)
+            return st, RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [], True, error=err)
+
 
 def _pooled(st: RequestState, pooling: PoolingParams) -> list[float]:
     """The embedding of a finished pooling request: the mean (or the one row) of its pooled hidden

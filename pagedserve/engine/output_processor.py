@@ -58,6 +58,7 @@ class RequestState:
     arrival_time: float
     traffic_class: int = 0
     pooling: PoolingParams | None = None        # an embedding request
+    sink: Any = None                            # where a frontend delivers its outputs (a RequestStream)
     seqs: list[SeqOutput] = field(default_factory=list)
     error: RequestFailure | None = None
     prompt_logprobs: list | None = None         # [None, {...}, ...] as the prompt's chunks are computed

@@ -123,3 +123,36 @@ def test_the_core_hands_its_frontend_token_ids_as_values(tiny_engine, monkeypatc
     assert final.finished and [o.token_ids for o in final.outputs] == [carried[0], carried[1]]
     assert all(len(ids) == 12 for ids in carried.values()) and carried[0] != carried[1]
     assert all(v == 0 for v in eng.held().values())
+
+
+def test_the_async_frontend_keeps_its_streams_in_the_engines_one_registry(tiny_engine):
+    """A request's RequestStream lives in its RequestState (`sink`): AsyncLLMEngine keeps no dict of its
+    own keyed by request; the deadline heap is an index into engine.states. Finished, aborted and
+    timed-out requests leave nothing in either."""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    sp = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=1.0, seed=2)
+
+    async def run():
+        aeng = AsyncLLMEngine(tiny_engine, request_timeout_s=3600)
+        try:
+            a = await aeng.add_request("a", [1, 2, 3], sp)
+            b = await aeng.add_request("b", [4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+            seen = await aeng.call(lambda: {rid: st.sink for rid, st in tiny_engine.states.items()})
+            per_request = [k for k, v in vars(aeng).items() if isinstance(v, (dict, set)) and v]
+            first = await a.__anext__()
+            a.abort()
+            rest = [o async for o in a]
+            done = [o async for o in b]
+            await aeng.call(lambda: None)
+            return seen, per_request, first, rest, done, aeng.held(), len(aeng._deadlines)
+        finally:
+            aeng.shutdown()
+    seen, per_request, first, rest, done, held, deadlines = asyncio.run(run())
+    assert set(seen) == {"a", "b"} and all(s is not None and s.request_id == rid for rid, s in seen.items())
+    assert per_request == []
+    assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert done[-1].finished and done[-1].outputs[0].finish_reason == "length"
+    assert "async.streams" not in held and not any(v for k, v in held.items() if k != "async.deadlines")
+    assert deadlines <= 2
