@@ -4,12 +4,15 @@ free-form chat workload, greedy, each request alone (one stream), in one run (ra
 rate, draft tokens and whether the greedy outputs are identical to decoding without drafts.
 
 Each configuration runs in its own process (its own start-up, the adaptive rule's measured step
-costs). A configuration is DTYPE:QUANT[:SPEC], SPEC one of off | adaptive | always (n-gram, k = --k) |
-draft | draft-always (method draft_model with --draft: a model path, or a number N for the bundled
-model's first N layers written by bench/truncated_draft.py into a temporary folder).
+costs). A configuration is DTYPE:QUANT[:SPEC[:seeded]], SPEC one of off | adaptive | always (n-gram,
+k = --k) | draft | draft-always (method draft_model with --draft: a model path, or a number N for the
+bundled model's first N layers written by bench/truncated_draft.py into a temporary folder).
+--temperature T > 0 samples instead (top-p 0.95): unseeded requests get a draft model's proposals
+sampled from its distribution and verified by full rejection sampling; `seeded` gives each request a
+seed, so a draft model proposes its argmax (and the outputs must equal those without drafts).
 
 Usage: python bench/spec_decode.py [--configs auto:auto:off,auto:auto:adaptive,...] [--tokens 128]
-           [--k 4] [--workloads grounded,chat] [--draft 8] [--json out.json]
+           [--k 4] [--workloads grounded,chat] [--draft 8] [--temperature 0] [--json out.json]
 """
 import argparse
 import json
@@ -72,9 +75,9 @@ def draft_path(draft: str) -> str:
 
 
 def run(config: str, tokens: int, k: int, workloads: list[str], draft: str | None = None,
-        draft_quant: str | None = None) -> dict:
+        draft_quant: str | None = None, temperature: float = 0.0) -> dict:
     from pagedserve import LLM, SamplingParams
-    dtype, quant, spec = (config.split(":") + ["off"])[:3]
+    dtype, quant, spec, seeded = (config.split(":") + ["off", ""])[:4]
     if spec.startswith("draft"):
         sc = {"model": draft_path(draft), "num_speculative_tokens": k, "adaptive": spec == "draft",
               "quantization": draft_quant}
@@ -85,16 +88,20 @@ def run(config: str, tokens: int, k: int, workloads: list[str], draft: str | Non
     llm = LLM(num_kv_blocks=512, dtype=dtype, quantization=quant, speculative_config=sc)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0)
+    def sp(i: int) -> SamplingParams:
+        if temperature <= 0:
+            return SamplingParams(max_tokens=tokens, temperature=0.0)
+        return SamplingParams(max_tokens=tokens, temperature=temperature, top_p=0.95,
+                              seed=1000 + i if seeded == "seeded" else None)
     llm.generate([{"prompt_token_ids": prompt_ids(["Hi"])[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
     out = {"config": config, "load_s": round(load_s, 2), "workloads": {}}
     for w in workloads:
         stats = eng.scheduler.spec_stats
         d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
         n_tok, secs, outputs = 0, 0.0, []
-        for ids in prompt_ids(GROUNDED if w == "grounded" else CHAT):
+        for i, ids in enumerate(prompt_ids(GROUNDED if w == "grounded" else CHAT)):
             t = time.perf_counter()
-            o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+            o = llm.generate([{"prompt_token_ids": ids}], sp(i), use_tqdm=False)[0].outputs[0]
             secs += time.perf_counter() - t
             n_tok += len(o.token_ids)
             outputs.append(o.token_ids)
@@ -114,20 +121,22 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--draft", default="8", help="draft model for SPEC draft | draft-always: a path or N layers")
     ap.add_argument("--draft-quantization", default=None, help="the draft's speculative_config quantization")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     workloads = a.workloads.split(",")
     if a.child:
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
-        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads, a.draft, a.draft_quantization)), flush=True)
+        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads, a.draft, a.draft_quantization,
+                                         a.temperature)), flush=True)
         return
     from pagedserve.host import describe
     print(f"host: {describe()}")
     results = []
     for c in a.configs.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", c, "--tokens", str(a.tokens), "--k", str(a.k),
-                            "--workloads", a.workloads, "--draft", a.draft]
+                            "--workloads", a.workloads, "--draft", a.draft, "--temperature", str(a.temperature)]
                            + (["--draft-quantization", a.draft_quantization] if a.draft_quantization else []),
                            capture_output=True, text=True)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -135,17 +144,18 @@ def main():
             print(p.stdout[-2000:], p.stderr[-4000:])
             raise SystemExit(f"{c} failed")
         results.append(json.loads(line[0][7:]))
+    def key(config: str) -> str:                 # the off run it is compared with: DTYPE:QUANT and seededness
+        parts = config.split(":")
+        return ":".join(parts[:2]) + (":seeded" if parts[3:4] == ["seeded"] else "")
     base = {}
     for r in results:
-        key = ":".join(r["config"].split(":")[:2])
         for w, m in r["workloads"].items():
-            if r["config"].endswith(":off") or r["config"].count(":") == 1:
-                base[key, w] = m
+            if (r["config"].split(":") + ["off"])[2] == "off":
+                base[key(r["config"]), w] = m
     print(f"{'config':28} {'workload':9} {'tok/s':>7} {'vs off':>7} {'drafted':>8} {'accept':>7} identical")
     for r in results:
-        key = ":".join(r["config"].split(":")[:2])
         for w, m in r["workloads"].items():
-            b = base.get((key, w))
+            b = base.get((key(r["config"]), w))
             ratio = f"{m['tok_s'] / b['tok_s']:.2f}x" if b else "-"
             n_same = sum(x == y for x, y in zip(m["outputs"], b["outputs"])) if b else 0
             same = "-" if not b or b is m else f"{n_same}/{len(b['outputs'])}"
@@ -154,6 +164,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"host": describe(), "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens, "k": a.k,
+                       "temperature": a.temperature,
                        "draft": a.draft, "draft_quantization": a.draft_quantization, "results": results}, f)
 
 

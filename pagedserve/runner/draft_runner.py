@@ -13,9 +13,15 @@ of a run that was accepted whole), after a preemption everything again.
 Per step, for the sequences whose drafts are DRAFT_PENDING: pass 1 reads each one's prefix and its
 current token (as prefill chunks, or decode rows when only the current token is new) and proposes
 its first draft; pass j (up to the longest draft) feeds draft j - 1 of the sequences that draft at
-least j tokens, one decode row each, and proposes draft j. The proposals are the draft's greedy
-tokens (argmax of its logits): a draft proposed with certainty (q = 1 on it) is verified exactly by
-the sampler's rule for any temperature (runner/sampler.py: accepted_run), as n-gram drafts are."""
+least j tokens, one decode row each, and proposes draft j. What it proposes:
+- a sampled, unseeded row: a token drawn from the draft's distribution q under the request's
+  temperature, top-k, top-p and min-p; q is kept for the verification (`draft_probs`), which accepts
+  it with probability min(1, p/q) and otherwise samples the residual max(p - q, 0)
+  (runner/sampler.py: speculative_sample). Where the draft agrees with the target in distribution,
+  nearly every draft is accepted at any temperature.
+- a greedy row, or a seeded one: the draft's argmax (q = 1 on it), verified by the sampler's rule as
+  n-gram drafts are (accepted_run). A seeded request's output then does not depend on the drafting
+  (its generator is rewound past unused draws), which a sampled proposal would break."""
 from __future__ import annotations
 
 import time
@@ -28,6 +34,7 @@ from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.step import ScheduledSeq, SchedulerOutput
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.runner.model_runner import ModelRunner
+from pagedserve.runner.sampler import sampling_probs
 
 CATCH_UP_ROWS = 1024        # the most rows one reading pass takes (a long context is read in several)
 
@@ -40,6 +47,9 @@ class DraftRunner:
                                   layout=KVLayout.uniform(model.cfg.num_layers))
         self.model = model
         self.propose_s = 0.0             # the last step's proposing time
+        self.generator = torch.Generator().manual_seed(0x5EED)     # sampled proposals
+        # the last step's sampled proposals: request id -> (its drafts, (k, V) the distributions they came from)
+        self.draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -51,9 +61,9 @@ class DraftRunner:
         if ops.copy:
             self.runner.apply_block_ops(BlockOps(copy=ops.copy))
 
-    def _pass(self, seqs: list[ScheduledSeq]) -> list[tuple[str, int]]:
-        """One forward of the draft over these records: (request id, greedy token) of each record that
-        samples."""
+    def _pass(self, seqs: list[ScheduledSeq]) -> list[tuple[str, int, torch.Tensor | None]]:
+        """One forward of the draft over these records: (request id, proposed token, the distribution q it
+        was drawn from, or None for an argmax) of each record that samples."""
         r = self.runner
         seqs = sorted(seqs, key=lambda s: not s.is_decode)       # the runner's order: decode rows first
         input_ids, positions, md, rows, _, _, _, _ = r.prepare(SchedulerOutput(tuple(seqs)))
@@ -61,18 +71,30 @@ class DraftRunner:
         hidden = self.model(input_ids.to(dev), positions.to(dev), r.kv_caches, md, None)
         if not rows:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
-        return list(zip((s.request_id for s in seqs if s.sampling is not None), logits.argmax(dim=-1).tolist()))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float().cpu()
+        samplers = [s.sampling for s in seqs if s.sampling is not None]
+        tokens = logits.argmax(dim=-1).tolist()
+        qs: list[torch.Tensor | None] = [None] * len(tokens)
+        drawn = [i for i, row in enumerate(samplers)
+                 if row.params is not None and not row.params.greedy and row.generator_seed is None]
+        if drawn:
+            q = sampling_probs(logits[drawn], [samplers[i].params for i in drawn], [False] * len(drawn))
+            picks = torch.multinomial(q, 1, generator=self.generator).squeeze(1).tolist()
+            for n, i in enumerate(drawn):
+                tokens[i], qs[i] = picks[n], q[n]
+        return list(zip((row.request_id for row in samplers), tokens, qs))
 
     @torch.inference_mode()
     def propose(self, so: SchedulerOutput) -> SchedulerOutput:
         """The step with every DRAFT_PENDING token replaced by the draft model's proposal."""
         todo = [s for s in so.seqs if s.draft_prefix is not None and s.num_draft]
         self.propose_s = 0.0
+        self.draft_probs = {}
         if not todo:
             return so
         t0 = time.perf_counter()
         drafts: dict[str, list[int]] = {s.request_id: [] for s in todo}
+        qs: dict[str, list[torch.Tensor]] = {}
         # pass 1 (in pieces of at most CATCH_UP_ROWS rows per sequence): the prefix, then the current token
         pieces = []
         for s in todo:
@@ -82,18 +104,28 @@ class DraftRunner:
             pieces.append([ScheduledSeq(s.request_id, c, first + a, s.block_tables[:1],
                                         s.sampling if a + len(c) == len(toks) else None) for a, c in chunks])
         for round_ in range(max(len(p) for p in pieces)):
-            for rid, tok in self._pass([p[round_] for p in pieces if round_ < len(p)]):
+            for rid, tok, q in self._pass([p[round_] for p in pieces if round_ < len(p)]):
                 drafts[rid].append(tok)
+                if q is not None:
+                    qs.setdefault(rid, []).append(q)
         # passes 2..k: each sequence's last draft, one decode row, while it wants more
         for j in range(1, max(s.num_draft for s in todo)):
             batch = [ScheduledSeq(s.request_id, (drafts[s.request_id][-1],), s.start + j, s.block_tables[:1], s.sampling)
                      for s in todo if s.num_draft > j]
-            for rid, tok in self._pass(batch):
+            for rid, tok, q in self._pass(batch):
                 drafts[rid].append(tok)
+                if q is not None:
+                    qs.setdefault(rid, []).append(q)
+        self.draft_probs = {rid: (tuple(drafts[rid]), torch.stack(q)) for rid, q in qs.items()}
         seqs = tuple(replace(s, token_ids=s.token_ids[:1] + tuple(drafts[s.request_id]))
                      if s.request_id in drafts else s for s in so.seqs)
         self.propose_s = time.perf_counter() - t0
         return replace(so, seqs=seqs)
+
+    def take_probs(self) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+        """The last step's sampled proposals and their distributions, for its verification (then dropped)."""
+        got, self.draft_probs = self.draft_probs, {}
+        return got
 
     @torch.inference_mode()
     def measure(self, rows: list[int], block_ids: tuple[int, ...], sampling) -> tuple[list[float], float]:

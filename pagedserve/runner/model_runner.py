@@ -239,8 +239,9 @@ class ModelRunner:
         if logits is not None:
             logits = logits.cpu()
             drafts = {s.request_id: s.draft for s in so.seqs if s.num_draft}
-            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows), keep_states=drafts) \
-                if sample_rows else []
+            draft_probs = self.drafter.take_probs() if self.drafter is not None else None
+            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows), keep_states=drafts,
+                                   draft_probs=draft_probs) if sample_rows else []
             for row, smp in zip(sample_rows, samples):
                 out.sampled.setdefault(row.request_id, []).append(smp)
             for rid, draft in drafts.items():

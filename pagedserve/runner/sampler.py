@@ -58,10 +58,13 @@ class Sampler:
         return g
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow],
-                 masks: tuple[list[int], np.ndarray] | None = None, keep_states=()) -> list[SampledToken]:
+                 masks: tuple[list[int], np.ndarray] | None = None, keep_states=(),
+                 draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]] | None = None) -> list[SampledToken]:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
         masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains.
-        keep_states: request ids whose seeded draws verify() may rewind (speculative rows)."""
+        keep_states: request ids whose seeded draws verify() may rewind (speculative rows).
+        draft_probs: request id -> (its drafts, (k, V) the distributions q they were sampled from): its
+        rows are verified by full rejection sampling (speculative_sample)."""
         self.draw_states.clear()
         params = [r.params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -75,7 +78,7 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample_random(logits, reqs, greedy, keep_states)
+            tokens = self._sample_random(logits, reqs, greedy, keep_states, draft_probs)
         ids = tokens.tolist()
         out = [SampledToken(t) for t in ids]
         if lp_rows:               # one call for all rows at the largest k, each row then cut to its own k
@@ -112,19 +115,10 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[SamplingRow], greedy: list[bool],
-                       keep_states=()) -> torch.Tensor:
-        params = [r.params for r in reqs]
-        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)]).unsqueeze(1)
-        x = logits / temp
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(tp < 1.0 for tp in top_p):
-            x = _top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            mp = torch.tensor(min_p).unsqueeze(1)
-            probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+                       keep_states=(), draft_probs=None) -> torch.Tensor:
+        probs = sampling_probs(logits, [r.params for r in reqs], greedy)
+        if draft_probs:
+            speculative_sample(probs, [r.request_id for r in reqs], draft_probs, self.generator)
         # exponential race: argmax(p / q), q ~ Exp(1), draws one sample from p; per-request
         # generators make a seeded request's draws independent of whatever else is in the batch.
         # q = -log(u), u ~ U[0, 1): torch's exponential_ is ~3.5x slower on the CPU (1.45 ms a row of
@@ -140,13 +134,61 @@ class Sampler:
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
 
 
+def sampling_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, top-k, top-p, min-p (greedy rows: softmax
+    of the logits, unused)."""
+    temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)]).unsqueeze(1)
+    x = logits / temp
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if any(top_k) or any(tp < 1.0 for tp in top_p):
+        x = _top_k_top_p(x, top_k, top_p)
+    probs = torch.softmax(x, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        mp = torch.tensor(min_p).unsqueeze(1)
+        probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    return probs
+
+
+def speculative_sample(probs: torch.Tensor, row_ids: list[str],
+                       draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]],
+                       generator: torch.Generator) -> None:
+    """Rejection sampling of drafts drawn from a distribution q (a draft model's sampled proposals), in
+    place: row i of a speculative sequence (its target distribution p after drafts 1..i) becomes one-hot
+    on draft d = d_(i+1) with probability min(1, p(d) / q(d)), else max(p - q, 0) (the residual: never
+    d); its last row keeps p (the bonus token). Sampling the rows then gives d exactly when it is
+    accepted, so accepted_run ends the run at the first rejection with a residual sample: the tokens
+    follow p whatever q is (Leviathan et al. 2023; vLLM's rejection sampler)."""
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(row_ids):
+        got = draft_probs.get(rid)
+        if got is None:
+            continue
+        j = seen[rid] = seen.get(rid, -1) + 1
+        draft, q = got
+        if j >= len(draft):
+            continue                                    # the bonus row
+        d = draft[j]
+        p = probs[i]
+        accept = (p[d] / q[j, d]).clamp(max=1.0)      # q[j, d] > 0: d was drawn from it
+        if torch.rand((), generator=generator) < accept:
+            p.zero_()
+            p[d] = 1.0
+        else:
+            residual = (p - q[j]).clamp_(min=0.0)
+            if residual.sum() > 0:                    # (p = q everywhere: every draft is accepted)
+                p.copy_(residual)
+
+
 def accepted_run(draft: tuple[int, ...], samples: list[SampledToken]) -> list[SampledToken]:
     """Verification. samples[i] was drawn from the target's distribution after draft tokens 1..i;
     draft i + 1 is accepted when samples[i] is that token, and the first sample that differs (or the
     last, after all k are accepted) ends the run. For a draft that proposes one token with certainty
-    (n-gram lookup: q = 1 on it) this is exactly rejection sampling: accept with min(1, p/q) = p(d),
-    else draw from max(p - q, 0) renormalised = p without d, which is what a sample from p that is
-    not d is. Greedy rows take the argmax: the output is the one decoding without drafts gives."""
+    (n-gram lookup, a draft model's greedy token: q = 1 on it) this is exactly rejection sampling:
+    accept with min(1, p/q) = p(d), else draw from max(p - q, 0) renormalised = p without d, which is
+    what a sample from p that is not d is; drafts sampled from a wider q had their rows made so by
+    speculative_sample. Greedy rows take the argmax: the output is the one decoding without drafts gives."""
     run = []
     for d, smp in zip(draft, samples):
         run.append(smp)

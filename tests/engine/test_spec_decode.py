@@ -341,8 +341,9 @@ def test_a_draft_model_that_cannot_draft_for_the_target_is_refused_naming_it(tmp
 
 
 def test_draft_model_samples_follow_the_target_distribution(small_vocab, tokenizer, tmp_path):
-    """A random draft of the same 12 tokens proposes its greedy tokens (q = 1 on them): verified by the
-    same rule as n-gram drafts, the sampled tokens fit the target's exact distribution."""
+    """A random draft of the same 12 tokens (another distribution than the target's) samples its proposals
+    from its own q; verified by rejection sampling (accept min(1, p/q), else the residual max(p - q, 0)),
+    the sampled tokens fit the target's exact distribution (accepting every draft would give q's)."""
     from tests.model.families import save_family
     path, dist = small_vocab
     save_family("llama", tmp_path, VOCAB, tokenizer, sharpen=2.0, num_hidden_layers=1, tie_word_embeddings=True)
@@ -350,3 +351,22 @@ def test_draft_model_samples_follow_the_target_distribution(small_vocab, tokeniz
     assert stats.num_draft_tokens > 5000 and stats.num_accepted_tokens > 300 and stats.accepted_per_pos[1] > 0
     fit = _fit(toks, dist)
     assert min(fit.values()) > 1e-3, fit
+
+
+def test_a_draft_that_matches_the_target_in_distribution_is_nearly_always_accepted(small_vocab):
+    """The target as its own draft, temperature 1: a sampled proposal from q = p is accepted with
+    probability min(1, p/q) = 1, where a greedy proposal would be accepted only as often as the target
+    samples its argmax; the samples still fit the exact distribution. Seeded requests keep greedy
+    proposals (their output must not depend on the drafting), so they accept far less."""
+    path, dist = small_vocab
+    toks, stats = _sample(path, _draft_config(path, num_speculative_tokens=2), 1500)
+    assert stats.num_draft_tokens > 2500 and stats.num_accepted_tokens > 0.97 * stats.num_draft_tokens, stats
+    assert dist[1].max() < 0.8                 # a greedy proposal's acceptance at the first token
+    assert min(_fit(toks, dist).values()) > 1e-3
+    llm = LLM(path, dtype="float32", num_kv_blocks=2048, block_size=16, max_num_seqs=64,
+              speculative_config=_draft_config(path, num_speculative_tokens=2))
+    llm.generate([{"prompt_token_ids": PROMPT}] * 300, [SamplingParams(max_tokens=4, temperature=1.0, seed=i,
+                 ignore_eos=True, detokenize=False) for i in range(300)])
+    seeded = _engine(llm).scheduler.spec_stats
+    assert seeded.num_accepted_tokens < 0.9 * seeded.num_draft_tokens
+    _assert_idle_and_clean(llm)
