@@ -279,11 +279,10 @@ class Scheduler:
         pool = None
         if req.pooling is not None:                  # the prompt positions this chunk pools, each once
             first = {"LAST": req.num_prompt_tokens - 1, "CLS": 0}.get(req.pooling.pooling_type, 0)
-            lo = max(start, req.pooled_done, first)
-            hi = min(start + n, req.num_prompt_tokens, first + 1 if req.pooling.pooling_type != "MEAN"
-                     else req.num_prompt_tokens)
+            end = req.num_prompt_tokens if req.pooling.pooling_type == "MEAN" else first + 1
+            lo, hi = max(start, req.pooled_done, first), min(start + n, end)
             if hi > lo:
-                pool, req.pooled_done = PoolRow(lo - start, hi - lo), hi
+                pool, req.pooled_done = PoolRow(lo - start, hi - lo, req.pooling if hi == end else None), hi
         prefix = None
         if draft and draft[0] == DRAFT_PENDING:      # the draft model first reads what its KV lacks
             prefix = tuple(req.all_token_ids[req.num_draft_computed:start])

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.request import Request
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 
 DRAFT_PENDING = -1      # a draft token the runner's draft model has yet to propose (ScheduledSeq.draft_prefix)
@@ -54,6 +54,7 @@ class PoolRow:
 
     first: int                          # offset within the chunk
     count: int
+    final: PoolingParams | None = None  # on the chunk that completes the pooling: how to finish the vector
 
 
 @dataclass(slots=True, frozen=True)

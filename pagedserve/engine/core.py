@@ -388,7 +388,7 @@ class EngineCore:
             self._drop_retired_loras()
 
     def held(self) -> dict[str, int]:
-        return {**self.scheduler.held(), **self.kv.held(), **self.runner.sampler.held()}
+        return {**self.scheduler.held(), **self.kv.held(), **self.runner.held()}
 
     def has_unfinished(self) -> bool:
         """Sequences in flight, or ended since the last step (one more step tells the runner to drop them)."""
@@ -407,7 +407,7 @@ class EngineCore:
             raise EngineDeadError(f"the scheduler failed ({type(e).__name__}: {e}); engine state is unknown") from e
         try:
             ro = self.executor.execute(so)
-            out = EngineCoreOutputs(self._apply(so, ro), ro.prompt_logprobs, ro.pooled)
+            out = EngineCoreOutputs(self._apply(so, ro), ro.prompt_logprobs, ro.embeddings)
         except EngineDeadError:                 # a tensor-parallel rank is gone: nothing local is left
             raise
         except Exception as e:

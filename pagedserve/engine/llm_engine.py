@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 
-import torch
-
 from pagedserve.config import EngineArgs
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.core import EngineCore
@@ -92,7 +90,7 @@ class LLMEngine:
         req.lora_id = core.lora_id(lora_request)
         core.add(req)                   # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(RequestState(
-            request_id, text, ids, params, stream, params.n, req.arrival_time, klass, pooling, sink))
+            request_id, text, ids, params, stream, params.n, req.arrival_time, klass, sink))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -141,10 +139,8 @@ class LLMEngine:
         for rid, lps in co.prompt_logprobs.items():
             st = touched[rid] = self.states[rid]    # prompt chunks run before any fork: rid is the request's own
             st.prompt_logprobs.extend(lps)
-        for rid, (vec, rows) in co.pooled.items():
-            st = self.states[rid]
-            st.pool_sum = vec if st.pool_sum is None else st.pool_sum + vec
-            st.pool_rows += rows
+        for rid, vec in co.embeddings.items():
+            self.states[rid].embedding = vec
         stopped = []
         for t in co.tokens:
             st = self.states.get(t.owner_id)
@@ -154,8 +150,6 @@ class LLMEngine:
             try:
                 if self.outputs.observe(st, t):
                     stopped.append(t.seq_id)
-                if st.pooling is not None and st.pool_sum is not None and st.finished:
-                    st.embedding = _pooled(st, st.pooling)
             except Exception as e:
                 outs.append(self._fault(st, e))
         if stopped:                                 # stop strings: the core ends those sequences now
@@ -179,14 +173,3 @@ class LLMEngine:
         except Exception:           # not even its failed output can be made: the failure alone (state gone)
             log.exception("request %s: no output to fail it with", st.request_id)
             return st, RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [], True, error=err)
-
-
-def _pooled(st: RequestState, pooling: PoolingParams) -> list[float]:
-    """The embedding of a finished pooling request: the mean (or the one row) of its pooled hidden
-    states, cut to `dimensions`, L2-normalized when asked."""
-    v = st.pool_sum / max(1, st.pool_rows)
-    if pooling.dimensions is not None:
-        v = v[:pooling.dimensions]
-    if pooling.normalize:
-        v = torch.nn.functional.normalize(v, dim=0)
-    return v.tolist()

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedserve.engine.outputs import (CompletionOutput, RequestFailure, RequestMetrics, RequestOutput, SeqTimes,
                                        SeqToken)
-from pagedserve.sampling_params import PoolingParams, SamplingParams
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer
 
 
@@ -57,15 +57,12 @@ class RequestState:
     num_samples: int
     arrival_time: float
     traffic_class: int = 0
-    pooling: PoolingParams | None = None        # an embedding request
     sink: Any = None                            # where a frontend delivers its outputs (a RequestStream)
     seqs: list[SeqOutput] = field(default_factory=list)
     error: RequestFailure | None = None
     prompt_logprobs: list | None = None         # [None, {...}, ...] as the prompt's chunks are computed
     prompt_logprobs_sent: bool = False
-    pool_sum: Any = None                        # an embedding request: float32 sum of its pooled hidden states
-    pool_rows: int = 0
-    embedding: list[float] | None = None        # the pooled vector, once its prompt is done
+    embedding: list[float] | None = None        # the pooled vector (the core's), once its prompt is done
 
     @property
     def finished(self) -> bool:

@@ -105,7 +105,7 @@ class EngineCoreOutputs:
 
     tokens: list[SeqToken] = field(default_factory=list)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)   # request id -> this step's chunk of them
-    pooled: dict[str, tuple] = field(default_factory=dict)           # request id -> (sum of pooled rows, rows)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # request id -> its finished pooled vector
     failed: tuple[str, ...] = ()            # requests whose step failed: the frontend ends them with `error`
     error: RequestFailure | None = None
 

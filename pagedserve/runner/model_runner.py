@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from pagedserve.core.kv_layout import KVLayout
-from pagedserve.core.step import PromptLogprobsRow, SamplingRow, SchedulerOutput
+from pagedserve.core.step import PoolRow, PromptLogprobsRow, SamplingRow, SchedulerOutput
 from pagedserve import kernels
 from pagedserve.errors import EngineDeadError
 from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRABatch, LoRASlots, LoRAWeights
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
+from pagedserve.sampling_params import PoolingParams
 
 
 PROMPT_LOGPROBS_ROWS = 32       # prompt rows whose logits exist at once (49k vocabulary: 6 MiB)
@@ -30,7 +31,7 @@ PROMPT_LOGPROBS_ROWS = 32       # prompt rows whose logits exist at once (49k vo
 class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)   # request id -> samples (n on a fork)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # request id -> this chunk's
-    pooled: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)   # request id -> (float32 sum, rows)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)   # request id -> its pooled vector, once complete
     forward_s: float = 0.0
     propose_s: float = 0.0           # a draft model's proposing passes (in prepare_s too)
     prepare_s: float = 0.0
@@ -59,6 +60,7 @@ class ModelRunner:
                                   *((self.kv_scales[j, 0], self.kv_scales[j, 1]) if self.kv_scales is not None else ()))
                           for j in self.layout.layer_plane]
         self.sampler = Sampler(seed)
+        self.pool_sums: dict[str, tuple[torch.Tensor, int]] = {}   # embedding requests pooled over chunks so far
         self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
                            and kernels.supports(cfg.head_dim, cfg.num_heads // self.tp_size, self.num_kv_heads)
                            and kernels.load() is not None)
@@ -124,7 +126,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         sample_rows: list[SamplingRow] = []
         prompt_rows: list[tuple[str, int, PromptLogprobsRow]] = []    # (request id, first hidden row, what)
-        pool_rows: list[tuple[str, int, int]] = []                     # (request id, first hidden row, rows)
+        pool_rows: list[tuple[str, int, PoolRow]] = []                 # (request id, first hidden row, what)
         row_loras: list[int] | None = None                            # with LoRA: each row's adapter (0: none)
         seqs = so.seqs
         if self.lora is not None:      # prefill chunks of one adapter adjacent (LoRABatch multiplies runs)
@@ -160,7 +162,7 @@ class ModelRunner:
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s.request_id, row0 + s.prompt_logprobs.first, s.prompt_logprobs))
             if s.pool is not None:
-                pool_rows.append((s.request_id, row0 + s.pool.first, s.pool.count))
+                pool_rows.append((s.request_id, row0 + s.pool.first, s.pool))
         # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
         for _, first, plp in prompt_rows:
             logit_rows.extend(range(first, first + len(plp.targets)))
@@ -197,12 +199,17 @@ class ModelRunner:
                 i += len(same)
         return out
 
+    def held(self) -> dict[str, int]:
+        """Per-request entries the runner keeps (0 once every request has ended and been reported)."""
+        return {**self.sampler.held(), "runner.pool_sums": len(self.pool_sums)}
+
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         for rid in so.finished_req_ids:           # ended since the last step: nothing of theirs is kept
             self.sampler.forget(rid)
+            self.pool_sums.pop(rid, None)
         self.apply_block_ops(so.block_ops)
         if not so.seqs:
             return out
@@ -226,9 +233,13 @@ class ModelRunner:
                 if n else None
             if prompt_rows:
                 out.prompt_logprobs = self._prompt_logprobs(hidden, rows[n:], prompt_rows)
-            for rid, first, count in pool_rows:      # embeddings: the final-normed hidden states, summed
-                h = self.model.final_norm(hidden[first:first + count]).float()
-                out.pooled[rid] = (h.sum(0).cpu(), count)
+            for rid, first, pool in pool_rows:       # embeddings: the final-normed hidden states, summed
+                h = self.model.final_norm(hidden[first:first + pool.count]).float().sum(0).cpu()
+                s, rows = self.pool_sums.pop(rid, (0.0, 0))
+                if pool.final is None:
+                    self.pool_sums[rid] = (h + s, rows + pool.count)
+                else:
+                    out.embeddings[rid] = _pooled((h + s) / (rows + pool.count), pool.final)
         except Exception as e:
             if self.tp_size == 1:
                 raise
@@ -249,6 +260,16 @@ class ModelRunner:
         t3 = time.perf_counter()
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, t3 - t2
         return out
+
+
+def _pooled(mean: torch.Tensor, pooling: PoolingParams) -> list[float]:
+    """An embedding request's vector: the mean (or the one row) of its pooled hidden states, cut to
+    `dimensions`, L2-normalized when asked."""
+    if pooling.dimensions is not None:
+        mean = mean[:pooling.dimensions]
+    if pooling.normalize:
+        mean = torch.nn.functional.normalize(mean, dim=0)
+    return mean.tolist()
 
 
 def _draft_rows(row: SamplingRow, draft: tuple[int, ...]) -> list[SamplingRow]:

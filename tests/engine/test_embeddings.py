@@ -90,7 +90,11 @@ def test_embeddings_beside_generations_and_under_preemption(model):
             eng.add_request(f"g{i}", {"prompt_token_ids": p}, sp)
         for i, p in enumerate(prompts):
             eng.add_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams("MEAN", False))
+        eng.add_request("cut", {"prompt_token_ids": max(prompts, key=len)}, PoolingParams("MEAN", False), priority=-1)
         done = {}
+        while "cut" not in eng.runner.pool_sums:       # part of its prompt pooled (the runner's partial sum) ...
+            eng.step()
+        assert eng.abort("cut").outputs[0].finish_reason == "abort"     # ... then its client goes away
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
@@ -100,6 +104,7 @@ def test_embeddings_beside_generations_and_under_preemption(model):
         for i, p in enumerate(prompts):
             _close(done[f"e{i}"].embedding, _hf(hf, p, "MEAN", False))
         assert not eng.states and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+        assert not any(eng.held().values()), eng.held()         # the runner's partial sums included
 
 
 def test_bad_pooling_is_a_value_error_naming_it(model):
