@@ -266,12 +266,12 @@ DIE_AFTER_FIRST_STEP = """
 import sys
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
-real = LLMEngine.step
-def step(self):
+real = LLMEngine.step_states                # the step the serving loop takes
+def step_states(self):
     if self.counters.steps >= 1:
         raise SystemError("injected: the engine loop itself broke")
     return real(self)
-LLMEngine.step = step
+LLMEngine.step_states = step_states
 sys.exit(cli.main(["serve", "--port", sys.argv[1], *sys.argv[2:]]))
 """
 
