@@ -48,8 +48,8 @@ class DraftRunner:
         self.model = model
         self.propose_s = 0.0             # the last step's proposing time
         self.generator = torch.Generator().manual_seed(0x5EED)     # sampled proposals
-        # the last step's sampled proposals: request id -> (its drafts, (k, V) the distributions they came from)
-        self.draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        # the last step's sampled proposals: request id -> (k, V) the distributions its drafts came from
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -116,13 +116,13 @@ class DraftRunner:
                 drafts[rid].append(tok)
                 if q is not None:
                     qs.setdefault(rid, []).append(q)
-        self.draft_probs = {rid: (tuple(drafts[rid]), torch.stack(q)) for rid, q in qs.items()}
+        self.draft_probs = {rid: torch.stack(q) for rid, q in qs.items()}
         seqs = tuple(replace(s, token_ids=s.token_ids[:1] + tuple(drafts[s.request_id]))
                      if s.request_id in drafts else s for s in so.seqs)
         self.propose_s = time.perf_counter() - t0
         return replace(so, seqs=seqs)
 
-    def take_probs(self) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    def take_probs(self) -> dict[str, torch.Tensor]:
         """The last step's sampled proposals and their distributions, for its verification (then dropped)."""
         got, self.draft_probs = self.draft_probs, {}
         return got

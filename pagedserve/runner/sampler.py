@@ -59,12 +59,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow],
                  masks: tuple[list[int], np.ndarray] | None = None, keep_states=(),
-                 draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]] | None = None) -> list[SampledToken]:
+                 draft_probs: dict[str, torch.Tensor] | None = None) -> list[SampledToken]:
         """logits: (R, V) float32, one row per sample to draw (a request may own several rows).
         masks: (row indices, packed int32 bitmask rows) of the rows a grammar constrains.
-        keep_states: request ids whose seeded draws verify() may rewind (speculative rows).
-        draft_probs: request id -> (its drafts, (k, V) the distributions q they were sampled from): its
-        rows are verified by full rejection sampling (speculative_sample)."""
+        keep_states: request id -> its drafts (speculative rows; verify() may rewind a seeded one's draws).
+        draft_probs: request id -> (k, V) the distributions q its drafts were sampled from: its rows are
+        verified by full rejection sampling (speculative_sample)."""
         self.draw_states.clear()
         params = [r.params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -118,7 +118,7 @@ class Sampler:
                        keep_states=(), draft_probs=None) -> torch.Tensor:
         probs = sampling_probs(logits, [r.params for r in reqs], greedy)
         if draft_probs:
-            speculative_sample(probs, [r.request_id for r in reqs], draft_probs, self.generator)
+            speculative_sample(probs, [r.request_id for r in reqs], keep_states, draft_probs, self.generator)
         # exponential race: argmax(p / q), q ~ Exp(1), draws one sample from p; per-request
         # generators make a seeded request's draws independent of whatever else is in the batch.
         # q = -log(u), u ~ U[0, 1): torch's exponential_ is ~3.5x slower on the CPU (1.45 ms a row of
@@ -151,9 +151,8 @@ def sampling_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> to
     return probs
 
 
-def speculative_sample(probs: torch.Tensor, row_ids: list[str],
-                       draft_probs: dict[str, tuple[tuple[int, ...], torch.Tensor]],
-                       generator: torch.Generator) -> None:
+def speculative_sample(probs: torch.Tensor, row_ids: list[str], drafts: dict[str, tuple[int, ...]],
+                       draft_probs: dict[str, torch.Tensor], generator: torch.Generator) -> None:
     """Rejection sampling of drafts drawn from a distribution q (a draft model's sampled proposals), in
     place: row i of a speculative sequence (its target distribution p after drafts 1..i) becomes one-hot
     on draft d = d_(i+1) with probability min(1, p(d) / q(d)), else max(p - q, 0) (the residual: never
@@ -162,11 +161,11 @@ def speculative_sample(probs: torch.Tensor, row_ids: list[str],
     follow p whatever q is (Leviathan et al. 2023; vLLM's rejection sampler)."""
     seen: dict[str, int] = {}
     for i, rid in enumerate(row_ids):
-        got = draft_probs.get(rid)
-        if got is None:
+        q = draft_probs.get(rid)
+        if q is None:
             continue
         j = seen[rid] = seen.get(rid, -1) + 1
-        draft, q = got
+        draft = drafts[rid]
         if j >= len(draft):
             continue                                    # the bonus row
         d = draft[j]
