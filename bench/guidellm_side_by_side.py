@@ -7,6 +7,8 @@ Usage: python bench/guidellm_side_by_side.py --guidellm /tmp/gl/bin/guidellm [--
            [--serve-args "--quantization gguf"] [--llama-server build/llama.cpp/bin/llama-server]
        --variants 'A;B' runs pagedserve once per `serve` flag set (A/B in one run, e.g. without and with
        '--speculative-config {"method":"ngram"}'); --no-llama-server skips llama.cpp's server.
+guidellm's own venv: python3 -m venv /tmp/gl && /tmp/gl/bin/pip install torch==2.13.0 && /tmp/gl/bin/pip install
+guidellm==0.8.1 (torch's CPU wheel first: guidellm alone pulls a CUDA build of torch, ~6 GB).
 """
 import argparse
 import json

@@ -26,6 +26,8 @@ PATHS = {       # name -> `pagedserve serve` flags
     "int8-kv": "--kv-cache-dtype int8",
     "tp2": "--tensor-parallel-size 2 --dtype float32",
     "ngram": """--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'""",
+    # a draft model drafting on every step: the bundled model drafting for itself ({bundled}: its path)
+    "draft": """--speculative-config '{"model": "{bundled}", "num_speculative_tokens": 4, "adaptive": false}'""",
     # soak.py's priorities -1 / 0 / 1 pick the three bands (as in BENCHMARKS.md's traffic-class soak)
     "traffic-classes": """--traffic-classes '[{"name": "urgent", "priority": -1, "itl_p99_ms": 100, "ttft_p99_ms": 2000, "max_running": 6}, {"name": "normal", "priority": 0, "max_budget_share": 0.7, "preemption_mode": "swap"}, {"name": "low", "priority": 1, "max_budget_share": 0.3, "max_waiting": 20}]'""",
 }
@@ -50,10 +52,15 @@ def random_tp_model(d: str) -> str:
     return d
 
 
+def bundled_model() -> str:
+    from pagedserve.model.loader import resolve_model
+    return resolve_model(None).path
+
+
 def run_path(name: str, requests: int, warmup: int, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "soak.json")
-        flags = PATHS[name].split()
+        flags = PATHS[name].replace("{bundled}", bundled_model()).split()
         kv = []
         if "--kv-cache-dtype" in flags:           # soak.py owns this flag
             i = flags.index("--kv-cache-dtype")
