@@ -1,5 +1,5 @@
 """The packed/dense crossover of the layers' products timed two ways on the default model (default flags):
-warm, as `model/quant.py: measure_crossover` times it at load (one weight, the first layer's gate_up, on
+warm, by `model/quant.py: measure_crossover` itself, as at load (one weight, the first layer's gate_up, on
 repeat: it stays in cache), and cold, as a step meets the weights (every layer's gate_up in turn, so each
 product reads its weight from memory). Milliseconds per product, packed (qmatmul) / dense copy (GEMM).
 
@@ -10,6 +10,7 @@ import time
 import torch
 
 from pagedserve.engine.llm import LLM
+from pagedserve.model.quant import measure_crossover
 
 
 def per_product_ms(fn, weights, x) -> float:
@@ -32,12 +33,12 @@ def main() -> None:
         raise SystemExit("the default flags did not give packed weights with dense copies on this host")
     packed = lambda w, x: w._qmatmul(x, w.int8_act)      # noqa: E731
     dense = lambda w, x: w._many_rows(x, None)            # noqa: E731
-    for name, weights in (("warm (one weight on repeat, as at load)", ws[:1]), ("cold (30 layers in turn)", ws)):
-        cells = []
-        for m in (1, 2, 4, 8, 16):
-            x = torch.randn(m, ws[0].K).to(model.norm.dtype)
-            cells.append(f"{m}: {per_product_ms(packed, weights, x):.3f}/{per_product_ms(dense, weights, x):.3f}")
-        print(f"{name}: packed/dense ms per gate_up product at rows " + ", ".join(cells))
+    print("warm (measure_crossover, as at load):", measure_crossover(ws[0], model.norm.dtype)[1])
+    cells = []
+    for m in (1, 2, 4, 8, 16):
+        x = torch.randn(m, ws[0].K).to(model.norm.dtype)
+        cells.append(f"{m}: {per_product_ms(packed, ws, x):.3f}/{per_product_ms(dense, ws, x):.3f} ms")
+    print(f"cold ({len(ws)} layers' gate_up in turn): packed/dense at rows " + ", ".join(cells))
 
 
 if __name__ == "__main__":

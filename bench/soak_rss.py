@@ -60,7 +60,8 @@ def bundled_model() -> str:
 def run_path(name: str, requests: int, warmup: int, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "soak.json")
-        flags = PATHS[name].replace("{bundled}", bundled_model()).split()
+        flags = PATHS[name]
+        flags = (flags.replace("{bundled}", bundled_model()) if "{bundled}" in flags else flags).split()
         kv = []
         if "--kv-cache-dtype" in flags:           # soak.py owns this flag
             i = flags.index("--kv-cache-dtype")
