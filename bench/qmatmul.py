@@ -53,7 +53,8 @@ def main():
             print(f"  {n:13s} {str(tuple(w.shape)):13s} hot: {1e6 * dt:7.1f} us, {1e9 * per_block:.2f} ns per 32 "
                   f"weights per thread")
     probe = model.layers[0].gate_up_proj.weight
-    print("crossover:", measure_crossover(probe, dtype)[1])
+    print("crossover (one weight on repeat):", measure_crossover(probe, dtype)[1])
+    print("crossover (every product in turn, as at load):", measure_crossover(ws, dtype)[1])
 
 
 if __name__ == "__main__":

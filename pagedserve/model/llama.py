@@ -330,20 +330,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _choose_packed_crossover(self, head, int8_act: bool) -> str:
         """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
-        measured per shape."""
+        measured per shape: the layers' products timed in turn as a step reads them (measure_crossover),
+        the LM head on its own."""
+        layer_ws = [getattr(layer, p).weight for layer in self.layers
+                    for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if hasattr(layer, p)]
+        layer_ws = [w for w in layer_ws if isinstance(w, PackedWeight)]
         lines = []
-        for name, w in (("layers", self._probe_weight()), ("LM head", head)):
-            if not isinstance(w, PackedWeight):
+        for name, ws in (("layers", layer_ws), ("LM head", [head] if isinstance(head, PackedWeight) else [])):
+            if not ws:
                 continue
-            w.int8_act = int8_act
-            m, line = measure_crossover(w, self.norm.dtype)
+            for w in ws:
+                w.int8_act = int8_act
+            m, line = measure_crossover(ws, self.norm.dtype)
             lines.append(f"{name}: {line}")
-            targets = [w] if name == "LM head" else [getattr(layer, p).weight for layer in self.layers
-                                                   for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-                                                   if hasattr(layer, p)]
-            for t in targets:
-                if isinstance(t, PackedWeight):
-                    t.small_m, t.int8_act = m, w.int8_act
+            for w in ws:
+                w.small_m = m
         return "packed GEMMs: " + "; ".join(lines)
 
 

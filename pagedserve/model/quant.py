@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -223,37 +224,63 @@ def _lib():
     return lib
 
 
+COLD_BYTES = 256 * 2**20  # measure_crossover times weights in turn until this much is read: past any L3
+PACKED_MARGIN = 1.25      # ... and keeps the packed kernel at a row count unless the dense path is this much faster
+
+
 @torch.inference_mode()
-def measure_crossover(w: PackedWeight, dtype: torch.dtype) -> tuple[int, str]:
-    """The largest batch (rows of x) for which qmatmul on `w` is faster than the many-row path (the
+def measure_crossover(ws: PackedWeight | Sequence[PackedWeight], dtype: torch.dtype) -> tuple[int, str]:
+    """The largest batch (rows of x) for which qmatmul on `ws` is faster than the many-row path (the
     dense copy's GEMM, or dequantize + F.linear) in `dtype`, on this host, measured at 1, 2, 4, ...
     SMALL_M_MAX rows. Returns it and a line to log. With a dense copy it may be 0 (dense at every
-    row count); without one it is at least 1."""
+    row count); without one it is at least 1.
+    The weights (all of one kind: with or without dense copies, the same int8_act) are timed in turn,
+    as a step meets a model's layers: each product reads its weight from memory. Timing one weight on
+    repeat keeps it in the cache, where the dense copy (2-4x the bytes) loses less than in a step
+    (measured by bench/crossover_cold.py: 8 rows 0.13/0.10 ms on repeat, 0.13/0.17 ms in turn, so a
+    warm probe put the crossover at 4 rows where it is 8). Only the first weights up to COLD_BYTES of
+    packed data are timed (a bigger model's rest would only make the load slower).
+    Where the two are within PACKED_MARGIN the packed kernel is kept: run-to-run noise must not move
+    the crossover between processes (stop 41 saw it flip between 2 and 8 rows), and the packed kernels
+    compute each row alone, so a speculative step's verification rows get the numbers a one-row decode
+    step would (greedy outputs identical with and without drafts in bfloat16 too)."""
+    ws = [ws] if isinstance(ws, PackedWeight) else list(ws)
+    kinds = {(w.dense is not None, w.int8_act) for w in ws}
+    if not ws or len(kinds) != 1:
+        raise ValueError(f"measure_crossover needs weights of one kind, got {len(ws)} of kinds {sorted(kinds)}")
+    timed, nbytes = [], 0
+    for w in ws:
+        timed.append(w)
+        nbytes += w.data.numel()
+        if nbytes >= COLD_BYTES:
+            break
     times = {}
     m, best = 1, 0
     while m <= SMALL_M_MAX:
-        x = torch.randn(m, w.K).to(dtype)
+        xs = {w.K: torch.randn(m, w.K).to(dtype) for w in timed}
         t = []
-        for run in (lambda: w._qmatmul(x, w.int8_act), lambda: w._many_rows(x, None)):
-            run()
+        for run in (lambda w, x: w._qmatmul(x, w.int8_act), lambda w, x: w._many_rows(x, None)):
             best_s = float("inf")
-            for _ in range(3):             # the fastest of 3: a busy neighbour only ever adds time
+            for i in range(4):             # a warm-up pass, then the fastest of 3: a busy neighbour only adds
                 t0 = time.perf_counter()
-                run()
-                best_s = min(best_s, time.perf_counter() - t0)
-            t.append(best_s)
+                for w in timed:
+                    run(w, xs[w.K])
+                if i:
+                    best_s = min(best_s, time.perf_counter() - t0)
+            t.append(best_s / len(timed))
         times[m] = t
-        if t[0] <= t[1]:
+        if t[0] <= PACKED_MARGIN * t[1]:
             best = m
         elif m > 8:
             break
         m *= 2
-    shown = ", ".join(f"{m}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for m, (a, b) in times.items())
+    shown = ", ".join(f"{m}: {1e3 * a:.3f}/{1e3 * b:.3f} ms" for m, (a, b) in times.items())
+    w = ws[0]
     kernel = f"qmatmul_q8 ({_lib().qmatmul_q8_isa().decode()})" if w.int8_act else "qmatmul"
     other = "dense copy GEMM" if w.dense is not None else "dequantize+GEMM"
     best = best if w.dense is not None else max(best, 1)
     head = f"packed up to {best} rows" if best else "dense at every row count"
-    return best, f"{head} ({kernel}/{other} at {shown})"
+    return best, f"{head} ({kernel}/{other} per product, {len(timed)} weights in turn, at {shown})"
 
 
 class PackedLinear(nn.Module):

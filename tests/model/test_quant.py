@@ -94,6 +94,31 @@ def test_crossover_is_measured():
     assert 1 <= m <= quant.SMALL_M_MAX and f"packed up to {m} rows" in line
 
 
+def test_crossover_times_every_weight_in_turn(monkeypatch):
+    """A step reads each layer's weights once, from memory: the load times them in turn, as a step does,
+    every weight at every row count (x shaped for each weight's K), up to COLD_BYTES of packed data."""
+    ws = [quantize_int8(torch.randn(64, 256)), quantize_int8(torch.randn(32, 576)), quantize_int8(torch.randn(48, 256))]
+    calls = []
+    real = PackedWeight._qmatmul
+    def counting(self, x, int8_act=False):
+        assert x.shape[1] == self.K
+        calls.append((id(self), x.shape[0]))
+        return real(self, x, int8_act)
+    monkeypatch.setattr(PackedWeight, "_qmatmul", counting)
+    m, line = quant.measure_crossover(ws, torch.float32)
+    assert "3 weights in turn" in line
+    rows = sorted({r for _, r in calls})
+    for r in rows:      # each weight as often as the others at each row count
+        assert sorted(i for i, rr in calls if rr == r) == sorted([id(w) for w in ws] * 4)
+    calls.clear()
+    monkeypatch.setattr(quant, "COLD_BYTES", ws[0].data.numel() + 1)
+    _, line = quant.measure_crossover(ws, torch.float32)
+    assert "2 weights in turn" in line and {i for i, _ in calls} == {id(ws[0]), id(ws[1])}
+    ws[1].int8_act = True
+    with pytest.raises(ValueError, match="one kind"):
+        quant.measure_crossover(ws, torch.float32)
+
+
 @pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 11])
 def test_int8_activation_kernel_is_the_q8_rounded_product(level, fmt, m):
