@@ -32,7 +32,7 @@ from pagedserve.lora_request import LoRAEntry, LoRARegistry, LoRARequest, parse_
 from pagedserve.model.lora import read_adapter
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.draft_runner import DraftRunner
-from pagedserve.runner.model_runner import RunnerOutput
+from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
 from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
@@ -100,6 +100,12 @@ class EngineCore:
             self.kv_block_bytes += draft.cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype)) \
                 * args.block_size
             self.weights_bytes += weight_bytes(draft)
+        # every GEMM shape a step can meet built now, before the plan reads the free memory (model/gemm.py)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        head_rows = min(args.max_num_batched_tokens, max(args.max_num_seqs * (1 + k), PROMPT_LOGPROBS_ROWS))
+        for name, m in (("model", self.model), ("draft model", draft)):
+            if m is not None:
+                log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
         num_blocks = self._size_kv_pool(kv_dtype)
         classes = TrafficClasses.parse(args.traffic_classes)
         swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))

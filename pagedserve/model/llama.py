@@ -25,7 +25,7 @@ from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.gemm import gemm, padded
+from pagedserve.model.gemm import gemm, padded, pads_rows, warm
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.quant import FORMATS as QFORMATS, PackedWeight, measure_crossover
 from pagedserve.model.rope import rope_tables
@@ -327,6 +327,35 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.transposed = use
         return f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"
+
+    def warm_gemms(self, max_rows: int, head_rows: int) -> str:
+        """Build the GEMM library's kernels for every row bucket a step can reach (pagedserve.model.gemm.warm):
+        the layers' products up to max_rows (the step's token budget), the LM head up to head_rows (the
+        most rows a step samples or scores at once). Only where products are padded to buckets (bf16 /
+        fp16 through oneDNN); not a tensor-parallel model's (its head gathers across ranks) nor MoE
+        experts' (rows per expert: built as steps meet them). Returns the line logged at load."""
+        dtype = self.norm.dtype
+        if not pads_rows(dtype, self.norm.device.type):
+            return "GEMM shapes: nothing to build at load (this dtype keeps no per-shape state here)"
+        if self.tp.size > 1:
+            return "GEMM shapes: built as steps meet them (tensor parallel)"
+        products = []
+
+        def add(w, b, transposed: bool, last: int) -> None:
+            if isinstance(w, PackedWeight):      # packed up to small_m rows (no GEMM); above: its many-row path
+                key = ("packed", w.fmt, w.shape, None if w.dense is None else w.dense.dtype, b is None)
+                products.append((key, lambda x: w.matmul(x, b), w.K, dtype, w.small_m, last))
+            else:
+                key = ("dense", tuple(w.shape), w.stride(), w.dtype, b is None, transposed)
+                products.append((key, lambda x: linear(x, w, b, transposed), w.shape[1], dtype, 0, last))
+        for layer in self.layers:
+            for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                mod = getattr(layer, p, None)
+                if mod is not None:
+                    add(mod.weight, mod.bias, layer.transposed, max_rows)
+        add(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight, None, self.transposed,
+            head_rows)
+        return "GEMM shapes: " + warm(products)
 
     def _choose_packed_crossover(self, head, int8_act: bool) -> str:
         """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,

@@ -91,3 +91,43 @@ def test_every_engine_gemm_runs_at_a_bucket(forced, tmp_path, tokenizer, monkeyp
     odd = sorted({m for m in seen if bucket(m) != m})
     assert seen and not odd, f"GEMMs at unbucketed row counts: {odd}"
     assert any(m > gemm_mod.EXACT_ROWS for m in seen)       # prefill steps did run padded
+
+
+def test_every_gemm_shape_is_built_at_load(forced, tmp_path, tokenizer, monkeypatch):
+    """gemm.warm: loading runs every (weight shape, row bucket) a step can meet, so serving meets none
+    for the first time (no compile inside a step, no RSS step hundreds of requests in): prompts of many
+    lengths, chunked prefill, n = 2, prompt logprobs; then a second engine on the same shapes builds
+    nothing again (the process keeps them)."""
+    save_family("llama", tmp_path, len(tokenizer), tokenizer)
+    monkeypatch.setenv("PAGEDSERVE_SMALL_M_GEMM", "linear")     # every product through F.linear, seen below
+    monkeypatch.setattr(gemm_mod, "_WARMED", set())
+    forced(True)
+    phase, seen = ["load"], {"load": set(), "serve": set()}
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, *a, **k: seen[phase[0]].add((tuple(w.shape), x.shape[0]))
+                        or real(x, w, *a, **k))
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(0, len(tokenizer), (n,), generator=g).tolist()}
+               for n in (3, 17, 29, 45, 70, 101, 133, 250)]
+    sps = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, n=1 + i % 2, prompt_logprobs=1 if i % 3 == 0 else None,
+                          ignore_eos=True) for i in range(len(prompts))]
+    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=160, max_num_seqs=8) as llm:
+        phase[0] = "serve"
+        llm.generate(prompts, sps, use_tqdm=False)
+    assert seen["serve"] and not seen["serve"] - seen["load"], f"first met while serving: {seen['serve'] - seen['load']}"
+    assert {m for _, m in seen["load"]} >= set(buckets_up_to(160))
+    phase[0], seen["load"] = "load", set()
+    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=160, max_num_seqs=8):
+        pass
+    assert not seen["load"]
+
+
+def test_warm_runs_each_product_once_per_bucket(monkeypatch):
+    monkeypatch.setattr(gemm_mod, "_WARMED", set())
+    calls = []
+    product = ("w", lambda x: calls.append(x.shape), 24, torch.float32, 4, 40)
+    line = gemm_mod.warm([product, product])
+    assert calls == [(m, 24) for m in buckets_up_to(40) if m > 4] and line.startswith(f"{len(calls)} built")
+    calls.clear()
+    gemm_mod.warm([product])
+    assert not calls
