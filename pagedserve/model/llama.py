@@ -87,6 +87,9 @@ class MoE(nn.Module):
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")     # a layer's `{p}_proj`, dlayer_t's fields, LoRASlots' keys
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream. What a family changes is an
     attribute here, None where it does not apply: per-head q/k norms, norms after each branch
@@ -119,6 +122,10 @@ class DecoderLayer(nn.Module):
             self.down_proj = nn.Linear(inter, h, bias=False)
         self.transposed = False        # small-batch GEMM form, see linear()
         self.ops = None                # the layer_ops kernels, when this layer takes the native float32 path
+
+    def products(self) -> list[nn.Module]:
+        """This layer's projections, in PRODUCTS order (an MoE layer has no gate_up / down: its experts')."""
+        return [getattr(self, f"{p}_proj") for p in PRODUCTS if hasattr(self, f"{p}_proj")]
 
     def native_ok(self) -> bool:
         """Whether _forward_native computes this layer: float32, and glue_ok()."""
@@ -247,10 +254,15 @@ class LlamaForCausalLM(nn.Module):
         """The model's last hidden states (what HF's base model returns): the final norm applied."""
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
+    @property
+    def head_weight(self):
+        """The LM head's matrix: the embedding's when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits (rows, vocab); under tensor parallelism on rank 0 only (None elsewhere)."""
         h = self.final_norm(hidden)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = self.head_weight
         logits = self.tp.gather_columns(linear(h, w, None, self.transposed).float())
         if logits is None:
             return None
@@ -303,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         forced = os.environ.get("PAGEDSERVE_SMALL_M_GEMM")
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.head_weight
         if isinstance(self._probe_weight(), PackedWeight):
             return self._choose_packed_crossover(head, int8_act)
         if head.device.type != "cpu":
@@ -349,21 +361,16 @@ class LlamaForCausalLM(nn.Module):
                 key = ("dense", tuple(w.shape), w.stride(), w.dtype, b is None, transposed)
                 products.append((key, lambda x: linear(x, w, b, transposed), w.shape[1], dtype, 0, last))
         for layer in self.layers:
-            for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                mod = getattr(layer, p, None)
-                if mod is not None:
-                    add(mod.weight, mod.bias, layer.transposed, max_rows)
-        add(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight, None, self.transposed,
-            head_rows)
+            for mod in layer.products():
+                add(mod.weight, mod.bias, layer.transposed, max_rows)
+        add(self.head_weight, None, self.transposed, head_rows)
         return "GEMM shapes: " + warm(products)
 
     def _choose_packed_crossover(self, head, int8_act: bool) -> str:
         """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
         measured per shape: the layers' products timed in turn as a step reads them (measure_crossover),
         the LM head on its own."""
-        layer_ws = [getattr(layer, p).weight for layer in self.layers
-                    for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if hasattr(layer, p)]
-        layer_ws = [w for w in layer_ws if isinstance(w, PackedWeight)]
+        layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, PackedWeight)]
         lines = []
         for name, ws in (("layers", layer_ws), ("LM head", [head] if isinstance(head, PackedWeight) else [])):
             if not ws:
@@ -391,7 +398,7 @@ class FusedDecode:
     The weights' addresses are fixed at load (the model owns them and this object), the K/V planes' on
     the first call (the runner's pool)."""
 
-    PRODUCTS = ("qkv", "o", "gate_up", "down")     # the layer's `{p}_proj`, dlayer_t's fields, LoRASlots' keys
+    PRODUCTS = PRODUCTS                            # the module's: every layer's four, in dlayer_t's order
 
     @staticmethod
     def refusal(model: LlamaForCausalLM) -> str | None:
