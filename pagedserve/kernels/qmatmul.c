@@ -22,7 +22,8 @@
  * source is built per ISA level like paged_attention.c. */
 #include "vec16.h"
 
-enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5 };
+enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5,
+       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8 };    /* 8-row groups: qmatmul_q8 and qdequant only */
 
 DEFINE_SET_THREADS(qmatmul_set_threads)
 
@@ -216,6 +217,7 @@ static const dot_fn DOT[] = {dot_W_I8, dot_W_Q8_0, dot_W_Q4_0, dot_W_Q4_1, dot_W
  * time, so the weights are read ceil(M / MAXM) times) */
 void qmatmul(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
              float *out, int ldo) {
+    if (fmt > W_Q6_K) return;                  /* 8-row groups are int8-activation only (Python refuses first) */
     dot_fn f = DOT[fmt];
     const int chunk = 16;                      /* rows of W per work item */
     const int items = (N + chunk - 1) / chunk, nb = K / 32;
@@ -276,11 +278,6 @@ DEQ_FMT(W_Q6_K)
 typedef void (*deq_fn)(const uint8_t *, int, int64_t, const int64_t *, int, void *, int);
 static const deq_fn DEQ[] = {deq_W_I8, deq_W_Q8_0, deq_W_Q4_0, deq_W_Q4_1, deq_W_Q4_K, deq_W_Q6_K};
 
-/* n rows (rows[i], or 0..n-1 when rows is NULL) of W as float32 or bfloat16, n x K, contiguous */
-void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t *rows, int n, void *out,
-              int bf16) {
-    DEQ[fmt](w, K, row_bytes, rows, n, out, bf16);
-}
 
 /* ---- int8 activations: qmatmul_q8 ------------------------------------------------------------------
  * For --dtype bfloat16 / float16 (activations are rounded anyway) the rows of x are rounded to int8 per
@@ -524,8 +521,167 @@ Q8_M(W_Q4_1)
 Q8_M(W_Q4_K)
 Q8_M(W_Q6_K)
 
+/* ---- 8-row groups for int8 activations: Q4_0x8, Q4_1x8, Q8_0x8 -------------------------------------
+ * For qmatmul_q8 the 4- and 8-bit formats' rows are interleaved at load in groups of 8 output rows
+ * (PackedWeight.interleave, as ggml's Q4_0_8x8 repacking): per 32-block, the 8 rows' f16 scales d
+ * (16 bytes), Q4_1's 8 f16 minima m (16 bytes), then the weights as 32-byte vectors V_p (p = 0..7) whose
+ * 4-byte lane c holds row c's elements 4p .. 4p+3 as unsigned bytes. Q4: 4 chunks of 32 bytes, chunk h's
+ * lane c = row c's file bytes 4h .. 4h+3 unchanged, so V_h is a chunk's low nibbles and V_{h+4} its high
+ * ones; Q8_0: 8 chunks of the int8 weights + 128 (w = d (u - 128), like Q4_0's d (u - 8)). One vpdpbusd
+ * then multiplies 4 inputs of an x row (broadcast) with 8 output rows: a block of 8 outputs is 8
+ * dot-product uops, a convert and three multiply(-add)s per x row, where q8_rows spends ~6 uops per
+ * output row (its per-block convert, scale broadcast and m term), and 8 outputs are one store, not 8
+ * horizontal sums. A group's block is 8 file blocks' bytes, so the matrix keeps its size and row_bytes. */
+INLINE int x8_base(int fmt) { return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : W_Q8_0; }
+INLINE int x8_header(int fmt) { return fmt == W_Q4_1X8 ? 32 : 16; }
+INLINE float x8_m_per_d(int fmt) { return fmt == W_Q4_0X8 ? -8.0f : -128.0f; }   /* Q4_1 has its own m */
+
+/* row r of an interleaved matrix back in its file layout (qdequant: embedding lookups, tiles) */
+static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int K, uint8_t *row) {
+    const int nb = K / 32, ob = (int)(rb / nb), hdr = x8_header(fmt), c = (int)(r & 7);
+    const uint8_t *g = w + (r >> 3) * 8 * rb;
+    for (int j = 0; j < nb; j++) {
+        const uint8_t *b = g + (int64_t)j * 8 * ob;
+        uint8_t *o = row + (int64_t)j * ob;
+        memcpy(o, b + 2 * c, 2);
+        if (fmt == W_Q4_1X8) memcpy(o + 2, b + 16 + 2 * c, 2);
+        uint8_t *qs = o + (fmt == W_Q4_1X8 ? 4 : 2);
+        if (fmt == W_Q8_0X8)
+            for (int p = 0; p < 8; p++)
+                for (int t = 0; t < 4; t++) qs[4 * p + t] = b[hdr + 32 * p + 4 * c + t] ^ 0x80;
+        else
+            for (int h = 0; h < 4; h++) memcpy(qs + 4 * h, b + hdr + 32 * h + 4 * c, 4);
+    }
+}
+
+#if defined(__AVX2__)
+/* acc + 8 int32 sums of 4 adjacent u8 x s8 products */
+INLINE __m256i dpb(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* vpmaddubsw's pair sums saturate at int16: Q8_0's unsigned w + 128 (up to 255) x 127 could reach 64,770,
+ * so without VNNI its weights go in as |w| with the sign moved onto x (as q8_rows does) and no m term */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define X8_SIGNED 0
+#else
+#define X8_SIGNED 1
+#endif
+
+/* 4 int8 inputs in every 32-bit lane (one broadcast load) */
+INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#endif
+
+/* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
+INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
+                    int n0, int n1) {
+    const int nb = K / 32, hdr = x8_header(fmt);
+    const int64_t bb = row_bytes / nb * 8;              /* a block of 8 rows */
+    for (int n = n0; n < n1; n += 8) {
+        const uint8_t *g = w + (int64_t)n * row_bytes;
+        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
+        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+#if defined(__AVX2__)
+        __m256 acc[MAXM], accm[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b = g + j * bb;
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const __m256 mw = fmt == W_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
+                              : fmt == W_Q8_0X8 && X8_SIGNED ? _mm256_setzero_ps()
+                                                             : _mm256_mul_ps(dw, _mm256_set1_ps(x8_m_per_d(fmt)));
+            __m256i v[8], sg[8];
+            if (fmt == W_Q8_0X8) {
+                for (int p = 0; p < 8; p++) v[p] = _mm256_loadu_si256((const __m256i *)(b + hdr + 32 * p));
+                if (X8_SIGNED)
+                    for (int p = 0; p < 8; p++)
+                        sg[p] = _mm256_xor_si256(v[p], _mm256_set1_epi8(-128)), v[p] = _mm256_abs_epi8(sg[p]);
+            } else {
+                const __m256i low4 = _mm256_set1_epi8(15);
+                for (int h = 0; h < 4; h++) {
+                    __m256i c = _mm256_loadu_si256((const __m256i *)(b + hdr + 32 * h));
+                    v[h] = _mm256_and_si256(c, low4);
+                    v[h + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+                }
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                __m256i xs[8];
+                for (int p = 0; p < 8; p++)
+                    xs[p] = fmt == W_Q8_0X8 && X8_SIGNED ? _mm256_sign_epi8(bcast4(xq + 4 * p), sg[p])
+                                                         : bcast4(xq + 4 * p);
+                __m256i a0 = dpb(_mm256_setzero_si256(), v[0], xs[0]), a1 = dpb(_mm256_setzero_si256(), v[1], xs[1]);
+                a0 = dpb(a0, v[2], xs[2]), a1 = dpb(a1, v[3], xs[3]);
+                a0 = dpb(a0, v[4], xs[4]), a1 = dpb(a1, v[5], xs[5]);
+                a0 = dpb(a0, v[6], xs[6]), a1 = dpb(a1, v[7], xs[7]);
+                const __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), s, acc[m]);
+                accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_add_ps(acc[m], accm[m]));
+#else
+        float acc[MAXM][8], accm[MAXM][8];
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) acc[m][c] = accm[m][c] = 0.0f;
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b = g + j * bb;
+            for (int c = 0; c < 8; c++) {
+                float d = f16(b + 2 * c), mn = fmt == W_Q4_1X8 ? f16(b + 16 + 2 * c) : x8_m_per_d(fmt) * d;
+                for (int m = 0; m < M; m++) {
+                    const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                    int32_t s = 0;
+                    for (int p = 0; p < 8; p++)
+                        for (int t = 0; t < 4; t++) {
+                            int u = fmt == W_Q8_0X8 ? b[hdr + 32 * p + 4 * c + t]
+                                                    : (b[hdr + 32 * (p & 3) + 4 * c + t] >> (4 * (p >> 2))) & 15;
+                            s += u * xq[4 * p + t];
+                        }
+                    acc[m][c] += (float)s * (d * x.d[m * nb + j]);
+                    accm[m][c] += mn * x.ds[m * nb + j];
+                }
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) out[(int64_t)m * ldo + n + c] = acc[m][c] + accm[m][c];
+#endif
+    }
+}
+
+#define X8_M(fmt)                                                                                        \
+    static void q8_##fmt(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0,    \
+                         int n1) {                                                                       \
+        switch (M) {                                                                                     \
+        case 1: x8_rows(fmt, 1, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 2: x8_rows(fmt, 2, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 3: x8_rows(fmt, 3, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 4: x8_rows(fmt, 4, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 5: x8_rows(fmt, 5, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 6: x8_rows(fmt, 6, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        case 7: x8_rows(fmt, 7, x, K, w, rb, out, ldo, n0, n1); break;                                     \
+        default: x8_rows(fmt, 8, x, K, w, rb, out, ldo, n0, n1); break;                                    \
+        }                                                                                                \
+    }
+X8_M(W_Q4_0X8)
+X8_M(W_Q4_1X8)
+X8_M(W_Q8_0X8)
+
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
-static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K};
+static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
+                           q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8};
 
 /* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
@@ -545,6 +701,23 @@ void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt
         }
     }
     free(q);
+}
+
+/* n rows (rows[i], or 0..n-1 when rows is NULL) of W as float32 or bfloat16, n x K, contiguous; an
+ * interleaved matrix's rows are put back in their file layout one at a time first (w then starts at a
+ * group: a multiple of 8 rows) */
+void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t *rows, int n, void *out,
+              int bf16) {
+    if (fmt <= W_Q6_K) {
+        DEQ[fmt](w, K, row_bytes, rows, n, out, bf16);
+        return;
+    }
+#pragma omp parallel for num_threads(THREADS) schedule(static)
+    for (int i = 0; i < n; i++) {
+        uint8_t row[row_bytes];
+        x8_unpack_row(fmt, w, row_bytes, rows ? rows[i] : i, K, row);
+        deq_row(x8_base(fmt), row, K, out, (int64_t)i * K, bf16);
+    }
 }
 
 DEFINE_ISA(qmatmul_isa)

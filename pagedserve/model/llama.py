@@ -377,6 +377,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for w in ws:
                 w.int8_act = int8_act
+                if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
+                    w.interleave()
             m, line = measure_crossover(ws, self.norm.dtype)
             lines.append(f"{name}: {line}")
             for w in ws:

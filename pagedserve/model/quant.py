@@ -37,7 +37,10 @@ from pagedserve.model.gemm import gemm, padded
 FORMATS: dict[str, tuple[int, int, int]] = {
     "I8": (0, 1, 1), "Q8_0": (1, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
     "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210),
+    # the file's rows interleaved in groups of 8 for int8 activations (PackedWeight.interleave)
+    "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34),
 }
+INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -90,6 +93,25 @@ class PackedWeight:
                         None if idx is None else idx.data_ptr(), out.shape[0], out.data_ptr(),
                         int(out.dtype == torch.bfloat16))
 
+    def interleave(self) -> None:
+        """For int8 activations (qmatmul_q8): Q4_0 / Q4_1 / Q8_0 rows regrouped 8 at a time, so one
+        vpdpbusd multiplies 4 inputs with 8 output rows (the layout is described in qmatmul.c, after
+        ggml's Q4_0_8x8): per 32-block the 8 rows' scales, then their bytes 4 at a time (Q8_0's + 128,
+        unsigned). Same bytes in all; dequantize still gives the file's rows. Other formats, or N not a
+        multiple of 8, stay as they are. Done once at load, after every row-wise change (fusing,
+        permuting, dense copies)."""
+        fmt, N = INTERLEAVED.get(self.fmt), self.data.shape[0]
+        if fmt is None or N % 8:
+            return
+        nb, bb = self.K // 32, FORMATS[self.fmt][2]
+        head = 4 if self.fmt == "Q4_1" else 2                   # f16 d (and Q4_1's f16 m) before the bytes
+        g = self.data.view(N // 8, 8, nb, bb).transpose(1, 2)  # (groups, blocks, 8 rows, block bytes)
+        scales = g[..., :head].reshape(N // 8, nb, 8, head // 2, 2).transpose(2, 3).reshape(N // 8, nb, 8 * head)
+        q = g[..., head:] ^ 0x80 if self.fmt == "Q8_0" else g[..., head:]
+        q = q.reshape(N // 8, nb, 8, -1, 4).transpose(2, 3).reshape(N // 8, nb, -1)
+        self.data = torch.cat([scales, q], -1).reshape(N, nb * bb).contiguous()
+        self.fmt = fmt
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or
         dequantized tiles above."""
@@ -108,7 +130,7 @@ class PackedWeight:
         """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile, at
         x's bucketed row count (pagedserve.model.gemm)."""
         N = self.data.shape[0]
-        rows = min(N, max(16, TILE_WEIGHTS // self.K))
+        rows = min(N, max(16, TILE_WEIGHTS // self.K) // 8 * 8)     # whole groups of 8 (interleaved)
         if x.dtype not in (torch.float32, torch.bfloat16):        # the kernel writes only those two
             return gemm(x, self.dequantize(x.dtype), bias)
         m, x = x.shape[0], padded(x)
@@ -127,6 +149,8 @@ class PackedWeight:
 
     def _qmatmul(self, x: torch.Tensor, int8_act: bool = False) -> torch.Tensor:
         """The in-register kernels: x in float32, or rounded to int8 blocks of 32 (`int8_act`)."""
+        if self.fmt.endswith("x8") and not int8_act:
+            raise ValueError(f"{self.fmt} weights are multiplied with int8 activations only")
         x32 = x.float().contiguous()
         M, N = x32.shape[0], self.data.shape[0]
         out = torch.empty(M, N, dtype=torch.float32)
@@ -136,6 +160,8 @@ class PackedWeight:
         return out
 
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
+        if self.fmt.endswith("x8"):
+            raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
                             None if self.dense is None else self.dense[perm])
 
@@ -192,6 +218,8 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Fused projections (q|k|v, gate|up): rows stacked; the parts must share format and K."""
     if len({(p.fmt, p.K) for p in parts}) != 1:
         raise ValueError("cannot fuse packed weights of different formats: " + ", ".join(p.fmt for p in parts))
+    if parts[0].fmt.endswith("x8"):
+        raise ValueError("interleaved weights are not fused (interleave after)")
     return PackedWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].K)
 
 

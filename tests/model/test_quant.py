@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from pagedserve import kernels
 from pagedserve.model import quant
-from pagedserve.model.quant import FORMATS, PackedWeight, quantize_int8
+from pagedserve.model.quant import FORMATS, INTERLEAVED, PackedWeight, quantize_int8
 
 LEVELS = kernels.host_levels()
-GGUF_FORMATS = [f for f in FORMATS if f != "I8"]
+GGUF_FORMATS = [f for f in FORMATS if f != "I8" and f not in INTERLEAVED.values()]     # the file's layouts
 # where the f16 scale fields of each block lie (byte offsets), the rest is random quants
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
@@ -142,6 +142,53 @@ def test_int8_activation_kernel_is_the_q8_rounded_product(level, fmt, m):
     isa = quant._lib().qmatmul_q8_isa().decode()
     assert isa == ("vnni512" if level == "avx512-vnni" else "avxvnni" if level == "avx2-vnni" else
                    "scalar" if level == "generic" else "maddubs")
+
+
+@pytest.mark.parametrize("fmt", list(INTERLEAVED))
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 11, 40])
+def test_interleaved_rows_multiply_and_dequantize_as_the_files(level, fmt, m, monkeypatch):
+    """Rows interleaved in groups of 8 (the load does it for int8 activations): the same products as the
+    file's rows up to float summation order (both the q8-rounded product), the same rows back from
+    dequantize (all, a list: embedding lookups, tiles from a group's first row), and the float kernel
+    refused. 72 rows: a 16-row work item and a last one of 8; K of 768: 24 blocks."""
+    n, k = 72, 768
+    raw = torch.from_numpy(random_blocks(fmt, n, k, seed=m))
+    rows_w = PackedWeight(fmt, raw.clone(), k, int8_act=True)
+    w = PackedWeight(fmt, raw.clone(), k, int8_act=True)
+    w.interleave()
+    assert w.fmt == INTERLEAVED[fmt] and w.data.shape == raw.shape and not torch.equal(w.data, raw)
+    dense = rows_w.dequantize()
+    assert torch.equal(w.dequantize(), dense)
+    assert torch.equal(w.dequantize(torch.bfloat16), rows_w.dequantize(torch.bfloat16))
+    ids = torch.tensor([5, 0, 71, 5, 8, 63])
+    assert torch.equal(w.dequantize(rows=ids), dense[ids])
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=g)]
+    x[0, :64] = 0.0
+    ref = F.linear(quant.q8_round(x).double(), dense.double())
+    got = w._qmatmul(x, int8_act=True)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(got, rows_w._qmatmul(x, int8_act=True), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if m > 16:                    # many rows: tiles of 16 rows (the last of 8) dequantized from the groups
+        monkeypatch.setattr(quant, "TILE_WEIGHTS", 16 * k)
+        exact = F.linear(x.double(), dense.double())
+        torch.testing.assert_close(w.matmul(x).double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    with pytest.raises(ValueError, match="int8 activations only"):
+        w._qmatmul(x, int8_act=False)
+    with pytest.raises(ValueError, match="interleave after"):
+        w.permute_rows(torch.arange(n))
+
+
+def test_interleave_keeps_what_it_cannot_group():
+    """Formats without an 8-row layout, and row counts that are not a multiple of 8, stay as read."""
+    for fmt, n in (("Q4_K", 16), ("Q6_K", 16), ("Q4_1", 70)):
+        w = PackedWeight(fmt, torch.from_numpy(random_blocks(fmt, n, 256)), 256)
+        before = w.data.clone()
+        w.interleave()
+        assert w.fmt == fmt and torch.equal(w.data, before)
+    w = quantize_int8(torch.randn(16, 256))
+    w.interleave()
+    assert w.fmt == "I8"
 
 
 def test_q8_round_is_ggufs_q8_0():
