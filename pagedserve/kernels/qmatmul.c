@@ -23,7 +23,7 @@
 #include "vec16.h"
 
 enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5,
-       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8 };    /* 8-row groups: qmatmul_q8 and qdequant only */
+       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9 };    /* 8-row groups: qmatmul_q8 and qdequant only */
 
 DEFINE_SET_THREADS(qmatmul_set_threads)
 
@@ -521,7 +521,7 @@ Q8_M(W_Q4_1)
 Q8_M(W_Q4_K)
 Q8_M(W_Q6_K)
 
-/* ---- 8-row groups for int8 activations: Q4_0x8, Q4_1x8, Q8_0x8 -------------------------------------
+/* ---- 8-row groups for int8 activations: Q4_0x8, Q4_1x8, Q8_0x8, I8x8 ------------------------------
  * For qmatmul_q8 the 4- and 8-bit formats' rows are interleaved at load in groups of 8 output rows
  * (PackedWeight.interleave, as ggml's Q4_0_8x8 repacking): per 32-block, the 8 rows' f16 scales d
  * (16 bytes), Q4_1's 8 f16 minima m (16 bytes), then the weights as 32-byte vectors V_p (p = 0..7) whose
@@ -531,15 +531,32 @@ Q8_M(W_Q6_K)
  * then multiplies 4 inputs of an x row (broadcast) with 8 output rows: a block of 8 outputs is 8
  * dot-product uops, a convert and three multiply(-add)s per x row, where q8_rows spends ~6 uops per
  * output row (its per-block convert, scale broadcast and m term), and 8 outputs are one store, not 8
- * horizontal sums. A group's block is 8 file blocks' bytes, so the matrix keeps its size and row_bytes. */
-INLINE int x8_base(int fmt) { return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : W_Q8_0; }
-INLINE int x8_header(int fmt) { return fmt == W_Q4_1X8 ? 32 : 16; }
+ * horizontal sums. A group's block is 8 file blocks' bytes, so the matrix keeps its size and row_bytes.
+ * I8x8 (our per-channel int8): the group starts with the 8 rows' float32 scales (32 bytes), then per
+ * 32-block the 8 chunks of weights + 128 as Q8_0's, without per-block scales (d = 1; the row scale is
+ * applied once at the end). */
+INLINE int x8_base(int fmt) {
+    return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : fmt == W_Q8_0X8 ? W_Q8_0 : W_I8;
+}
+INLINE int x8_header(int fmt) { return fmt == W_Q4_1X8 ? 32 : fmt == W_I8X8 ? 0 : 16; }
 INLINE float x8_m_per_d(int fmt) { return fmt == W_Q4_0X8 ? -8.0f : -128.0f; }   /* Q4_1 has its own m */
+INLINE int x8_bytes8(int fmt) { return fmt == W_Q8_0X8 || fmt == W_I8X8; }        /* 8-bit: w + 128 */
+/* block j of the group of 8 rows at g (row_bytes each) */
+INLINE const uint8_t *x8_block(int fmt, const uint8_t *g, int j, int64_t row_bytes, int nb) {
+    return fmt == W_I8X8 ? g + 32 + 256 * (int64_t)j : g + j * (row_bytes / nb * 8);
+}
 
 /* row r of an interleaved matrix back in its file layout (qdequant: embedding lookups, tiles) */
 static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int K, uint8_t *row) {
     const int nb = K / 32, ob = (int)(rb / nb), hdr = x8_header(fmt), c = (int)(r & 7);
     const uint8_t *g = w + (r >> 3) * 8 * rb;
+    if (fmt == W_I8X8) {
+        memcpy(row, g + 4 * c, 4);
+        for (int j = 0; j < nb; j++)
+            for (int p = 0; p < 8; p++)
+                for (int t = 0; t < 4; t++) row[4 + 32 * j + 4 * p + t] = x8_block(fmt, g, j, rb, nb)[32 * p + 4 * c + t] ^ 0x80;
+        return;
+    }
     for (int j = 0; j < nb; j++) {
         const uint8_t *b = g + (int64_t)j * 8 * ob;
         uint8_t *o = row + (int64_t)j * ob;
@@ -586,7 +603,6 @@ INLINE __m256i bcast4(const int8_t *p) {
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
-    const int64_t bb = row_bytes / nb * 8;              /* a block of 8 rows */
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = w + (int64_t)n * row_bytes;
         const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
@@ -596,13 +612,13 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
         for (int j = 0; j < nb; j++) {
-            const uint8_t *b = g + j * bb;
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
+            const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mw = fmt == W_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
-                              : fmt == W_Q8_0X8 && X8_SIGNED ? _mm256_setzero_ps()
-                                                             : _mm256_mul_ps(dw, _mm256_set1_ps(x8_m_per_d(fmt)));
+                              : x8_bytes8(fmt) && X8_SIGNED ? _mm256_setzero_ps()
+                                                            : _mm256_mul_ps(dw, _mm256_set1_ps(x8_m_per_d(fmt)));
             __m256i v[8], sg[8];
-            if (fmt == W_Q8_0X8) {
+            if (x8_bytes8(fmt)) {
                 for (int p = 0; p < 8; p++) v[p] = _mm256_loadu_si256((const __m256i *)(b + hdr + 32 * p));
                 if (X8_SIGNED)
                     for (int p = 0; p < 8; p++)
@@ -620,8 +636,8 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                 const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
                 __m256i xs[8];
                 for (int p = 0; p < 8; p++)
-                    xs[p] = fmt == W_Q8_0X8 && X8_SIGNED ? _mm256_sign_epi8(bcast4(xq + 4 * p), sg[p])
-                                                         : bcast4(xq + 4 * p);
+                    xs[p] = x8_bytes8(fmt) && X8_SIGNED ? _mm256_sign_epi8(bcast4(xq + 4 * p), sg[p])
+                                                        : bcast4(xq + 4 * p);
                 __m256i a0 = dpb(_mm256_setzero_si256(), v[0], xs[0]), a1 = dpb(_mm256_setzero_si256(), v[1], xs[1]);
                 a0 = dpb(a0, v[2], xs[2]), a1 = dpb(a1, v[3], xs[3]);
                 a0 = dpb(a0, v[4], xs[4]), a1 = dpb(a1, v[5], xs[5]);
@@ -631,22 +647,25 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                 accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
             }
         }
+        const __m256 rs = fmt == W_I8X8 ? _mm256_loadu_ps((const float *)g) : _mm256_set1_ps(1.0f);   /* row scales */
 #pragma GCC unroll 8
-        for (int m = 0; m < M; m++) _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_add_ps(acc[m], accm[m]));
+        for (int m = 0; m < M; m++)
+            _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_mul_ps(_mm256_add_ps(acc[m], accm[m]), rs));
 #else
         float acc[MAXM][8], accm[MAXM][8];
         for (int m = 0; m < M; m++)
             for (int c = 0; c < 8; c++) acc[m][c] = accm[m][c] = 0.0f;
         for (int j = 0; j < nb; j++) {
-            const uint8_t *b = g + j * bb;
+            const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
             for (int c = 0; c < 8; c++) {
-                float d = f16(b + 2 * c), mn = fmt == W_Q4_1X8 ? f16(b + 16 + 2 * c) : x8_m_per_d(fmt) * d;
+                float d = fmt == W_I8X8 ? 1.0f : f16(b + 2 * c);
+                float mn = fmt == W_Q4_1X8 ? f16(b + 16 + 2 * c) : x8_m_per_d(fmt) * d;
                 for (int m = 0; m < M; m++) {
                     const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
                     int32_t s = 0;
                     for (int p = 0; p < 8; p++)
                         for (int t = 0; t < 4; t++) {
-                            int u = fmt == W_Q8_0X8 ? b[hdr + 32 * p + 4 * c + t]
+                            int u = x8_bytes8(fmt) ? b[hdr + 32 * p + 4 * c + t]
                                                     : (b[hdr + 32 * (p & 3) + 4 * c + t] >> (4 * (p >> 2))) & 15;
                             s += u * xq[4 * p + t];
                         }
@@ -656,7 +675,11 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
             }
         }
         for (int m = 0; m < M; m++)
-            for (int c = 0; c < 8; c++) out[(int64_t)m * ldo + n + c] = acc[m][c] + accm[m][c];
+            for (int c = 0; c < 8; c++) {
+                float rs = 1.0f;
+                if (fmt == W_I8X8) memcpy(&rs, g + 4 * c, 4);
+                out[(int64_t)m * ldo + n + c] = (acc[m][c] + accm[m][c]) * rs;
+            }
 #endif
     }
 }
@@ -678,10 +701,11 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 X8_M(W_Q4_0X8)
 X8_M(W_Q4_1X8)
 X8_M(W_Q8_0X8)
+X8_M(W_I8X8)
 
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
-                           q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8};
+                           q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8};
 
 /* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,

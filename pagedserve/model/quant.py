@@ -38,9 +38,9 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     "I8": (0, 1, 1), "Q8_0": (1, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
     "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210),
     # the file's rows interleaved in groups of 8 for int8 activations (PackedWeight.interleave)
-    "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34),
+    "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34), "I8x8": (9, 1, 1),
 }
-INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8"}
+INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -58,7 +58,7 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         _, per_block, block_bytes = FORMATS[self.fmt]
-        want = 4 + self.K if self.fmt == "I8" else self.K // per_block * block_bytes
+        want = 4 + self.K if self.fmt in ("I8", "I8x8") else self.K // per_block * block_bytes
         if self.K % 32 or self.K % per_block or self.data.dtype != torch.uint8 or self.data.dim() != 2 \
                 or self.data.shape[1] != want:
             raise ValueError(f"{self.fmt} weight of {self.K} inputs needs ({self.K // 32} x 32)-input rows of "
@@ -94,16 +94,21 @@ class PackedWeight:
                         int(out.dtype == torch.bfloat16))
 
     def interleave(self) -> None:
-        """For int8 activations (qmatmul_q8): Q4_0 / Q4_1 / Q8_0 rows regrouped 8 at a time, so one
+        """For int8 activations (qmatmul_q8): Q4_0 / Q4_1 / Q8_0 / I8 rows regrouped 8 at a time, so one
         vpdpbusd multiplies 4 inputs with 8 output rows (the layout is described in qmatmul.c, after
-        ggml's Q4_0_8x8): per 32-block the 8 rows' scales, then their bytes 4 at a time (Q8_0's + 128,
-        unsigned). Same bytes in all; dequantize still gives the file's rows. Other formats, or N not a
-        multiple of 8, stay as they are. Done once at load, after every row-wise change (fusing,
-        permuting, dense copies)."""
+        ggml's Q4_0_8x8): per 32-block the 8 rows' scales, then their bytes 4 at a time (8-bit weights
+        + 128, unsigned; I8's row scales once, first). Same bytes in all; dequantize still gives the
+        file's rows. Other formats, or N not a multiple of 8, stay as they are. Done once at load, after
+        every row-wise change (fusing, permuting, dense copies)."""
         fmt, N = INTERLEAVED.get(self.fmt), self.data.shape[0]
         if fmt is None or N % 8:
             return
         nb, bb = self.K // 32, FORMATS[self.fmt][2]
+        if self.fmt == "I8":                                    # [f32 scale][K x int8] per row
+            scales = self.data[:, :4].reshape(N // 8, 32)
+            q = (self.data[:, 4:] ^ 0x80).reshape(N // 8, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 8, -1)
+            self.data, self.fmt = torch.cat([scales, q], -1).reshape(N, 4 + self.K).contiguous(), fmt
+            return
         head = 4 if self.fmt == "Q4_1" else 2                   # f16 d (and Q4_1's f16 m) before the bytes
         g = self.data.view(N // 8, 8, nb, bb).transpose(1, 2)  # (groups, blocks, 8 rows, block bytes)
         scales = g[..., :head].reshape(N // 8, nb, 8, head // 2, 2).transpose(2, 3).reshape(N // 8, nb, 8 * head)

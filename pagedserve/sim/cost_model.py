@@ -230,8 +230,9 @@ def host_key() -> str:
 
 
 def cache_path(args) -> str:
-    """The calibration file of this host for these EngineArgs (model, dtypes, block size)."""
-    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.kv_cache_dtype}|{args.block_size}".encode()).hexdigest()[:16]
+    """The calibration file of this host for these EngineArgs (model, dtypes, weight format, block size)."""
+    key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.quantization}|{args.kv_cache_dtype}|"
+                       f"{args.block_size}".encode()).hexdigest()[:16]
     d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, f"{key}.json")
