@@ -23,7 +23,7 @@
 #include "vec16.h"
 
 enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5,
-       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9 };    /* 8-row groups: qmatmul_q8 and qdequant only */
+       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9, W_Q4_KX8 = 10 };    /* 8-row groups: qmatmul_q8 and qdequant only */
 
 DEFINE_SET_THREADS(qmatmul_set_threads)
 
@@ -703,9 +703,123 @@ X8_M(W_Q4_1X8)
 X8_M(W_Q8_0X8)
 X8_M(W_I8X8)
 
+/* ---- Q4_Kx8: Q4_K's super-blocks for 8 rows ------------------------------------------------------------
+ * Per super-block of 256 inputs and 8 rows (1,184 bytes: 8 x 148, 32 more than the file's 8 x 144): the
+ * rows' f16 d (16 bytes) and dmin (16), their 6-bit sub-block scales and minima as bytes [sub-block][row]
+ * (64 + 64), then for each pair of sub-blocks (the file's 32 shared bytes a row: low nibbles the even
+ * sub-block, high nibbles the odd one) 8 chunks of 32 bytes whose lane c holds row c's bytes 4p .. 4p+3.
+ * A sub-block of 8 rows is then what a Q4_0x8 block is: 8 vpdpbusd per x row, its scales d * sc and
+ * minima -dmin * mn one 8-lane vector each. */
+#define Q4KX8_BYTES 1184
+
+static void q4kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uint8_t *row) {
+    const int c = (int)(r & 7);
+    const uint8_t *g = w + (r >> 3) * 8 * rb;
+    for (int sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = g + (int64_t)sb * Q4KX8_BYTES;
+        uint8_t *o = row + (int64_t)sb * 144, *q = o + 4;
+        memcpy(o, b + 2 * c, 2);
+        memcpy(o + 2, b + 16 + 2 * c, 2);
+        const uint8_t *sc = b + 32, *mn = b + 96;       /* [sub-block][row] */
+        for (int j = 0; j < 4; j++) {                   /* the inverse of q4k_scale_min */
+            q[j] = (uint8_t)((sc[8 * j + c] & 63) | ((sc[8 * (j + 4) + c] >> 4) << 6));
+            q[j + 4] = (uint8_t)((mn[8 * j + c] & 63) | ((mn[8 * (j + 4) + c] >> 4) << 6));
+            q[j + 8] = (uint8_t)((sc[8 * (j + 4) + c] & 15) | ((mn[8 * (j + 4) + c] & 15) << 4));
+        }
+        for (int t = 0; t < 4; t++)
+            for (int p = 0; p < 8; p++) memcpy(o + 16 + 32 * t + 4 * p, b + 160 + 256 * t + 32 * p + 4 * c, 4);
+    }
+}
+
+INLINE void q4kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+                       int n1) {
+    const int nb = K / 32;
+    for (int n = n0; n < n1; n += 8) {
+        const uint8_t *g = w + (int64_t)n * row_bytes;
+        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
+        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+#if defined(__AVX2__)
+        __m256 acc[MAXM], accm[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = g + (int64_t)sb * Q4KX8_BYTES;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+            for (int t = 0; t < 4; t++) {
+                __m256i ch[8];
+                for (int p = 0; p < 8; p++) ch[p] = _mm256_loadu_si256((const __m256i *)(b + 160 + 256 * t + 32 * p));
+                for (int half = 0; half < 2; half++) {
+                    const int s = 2 * t + half, j = 8 * sb + s;
+                    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 32 + 8 * s))));
+                    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 96 + 8 * s))));
+                    const __m256 dw = _mm256_mul_ps(dv, sc), mw = _mm256_mul_ps(_mm256_mul_ps(mv, mn), _mm256_set1_ps(-1.0f));
+                    __m256i v[8];
+                    for (int p = 0; p < 8; p++)
+                        v[p] = _mm256_and_si256(half ? _mm256_srli_epi16(ch[p], 4) : ch[p], _mm256_set1_epi8(15));
+#pragma GCC unroll 8
+                    for (int m = 0; m < M; m++) {
+                        const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                        __m256i a0 = dpb(_mm256_setzero_si256(), v[0], bcast4(xq));
+                        __m256i a1 = dpb(_mm256_setzero_si256(), v[1], bcast4(xq + 4));
+                        a0 = dpb(a0, v[2], bcast4(xq + 8)), a1 = dpb(a1, v[3], bcast4(xq + 12));
+                        a0 = dpb(a0, v[4], bcast4(xq + 16)), a1 = dpb(a1, v[5], bcast4(xq + 20));
+                        a0 = dpb(a0, v[6], bcast4(xq + 24)), a1 = dpb(a1, v[7], bcast4(xq + 28));
+                        const __m256 sx = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), sx, acc[m]);
+                        accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_add_ps(acc[m], accm[m]));
+#else
+        float acc[MAXM][8], accm[MAXM][8];
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) acc[m][c] = accm[m][c] = 0.0f;
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = g + (int64_t)sb * Q4KX8_BYTES;
+            for (int s = 0; s < 8; s++) {
+                const int j = 8 * sb + s, t = s >> 1, half = s & 1;
+                for (int c = 0; c < 8; c++) {
+                    float dw = f16(b + 2 * c) * (float)b[32 + 8 * s + c];
+                    float mw = -(f16(b + 16 + 2 * c) * (float)b[96 + 8 * s + c]);
+                    for (int m = 0; m < M; m++) {
+                        const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                        int32_t sum = 0;
+                        for (int p = 0; p < 8; p++)
+                            for (int i = 0; i < 4; i++)
+                                sum += ((b[160 + 256 * t + 32 * p + 4 * c + i] >> (4 * half)) & 15) * xq[4 * p + i];
+                        acc[m][c] += (float)sum * (dw * x.d[m * nb + j]);
+                        accm[m][c] += mw * x.ds[m * nb + j];
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) out[(int64_t)m * ldo + n + c] = acc[m][c] + accm[m][c];
+#endif
+    }
+}
+
+static void q8_W_Q4_KX8(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0, int n1) {
+    switch (M) {
+    case 1: q4kx8_rows(1, x, K, w, rb, out, ldo, n0, n1); break;
+    case 2: q4kx8_rows(2, x, K, w, rb, out, ldo, n0, n1); break;
+    case 3: q4kx8_rows(3, x, K, w, rb, out, ldo, n0, n1); break;
+    case 4: q4kx8_rows(4, x, K, w, rb, out, ldo, n0, n1); break;
+    case 5: q4kx8_rows(5, x, K, w, rb, out, ldo, n0, n1); break;
+    case 6: q4kx8_rows(6, x, K, w, rb, out, ldo, n0, n1); break;
+    case 7: q4kx8_rows(7, x, K, w, rb, out, ldo, n0, n1); break;
+    default: q4kx8_rows(8, x, K, w, rb, out, ldo, n0, n1); break;
+    }
+}
+
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
-                           q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8};
+                           q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8,
+                           q8_W_Q4_KX8};
 
 /* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
@@ -739,6 +853,11 @@ void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int i = 0; i < n; i++) {
         uint8_t row[row_bytes];
+        if (fmt == W_Q4_KX8) {
+            q4kx8_unpack_row(w, row_bytes, rows ? rows[i] : i, K, row);
+            deq_row(W_Q4_K, row, K, out, (int64_t)i * K, bf16);
+            continue;
+        }
         x8_unpack_row(fmt, w, row_bytes, rows ? rows[i] : i, K, row);
         deq_row(x8_base(fmt), row, K, out, (int64_t)i * K, bf16);
     }

@@ -39,8 +39,9 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210),
     # the file's rows interleaved in groups of 8 for int8 activations (PackedWeight.interleave)
     "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34), "I8x8": (9, 1, 1),
+    "Q4_Kx8": (10, 256, 148),       # 4 bytes more a super-block: the 6-bit scales unpacked to bytes
 }
-INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8"}
+INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8", "Q4_K": "Q4_Kx8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -104,6 +105,9 @@ class PackedWeight:
         if fmt is None or N % 8:
             return
         nb, bb = self.K // 32, FORMATS[self.fmt][2]
+        if self.fmt == "Q4_K":
+            self.data, self.fmt = _interleave_q4k(self.data, self.K), fmt
+            return
         if self.fmt == "I8":                                    # [f32 scale][K x int8] per row
             scales = self.data[:, :4].reshape(N // 8, 32)
             q = (self.data[:, 4:] ^ 0x80).reshape(N // 8, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 8, -1)
@@ -169,6 +173,22 @@ class PackedWeight:
             raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
                             None if self.dense is None else self.dense[perm])
+
+
+def _interleave_q4k(data: torch.Tensor, K: int) -> torch.Tensor:
+    """Q4_K rows (144-byte super-blocks) as Q4_Kx8 (qmatmul.c): per 8 rows and super-block, d x 8, dmin x 8,
+    the sub-block scales and minima as bytes [sub-block][row], then each sub-block pair's 32 bytes a row
+    in 8 chunks of 4 bytes a row."""
+    N, ns = data.shape[0], K // 256
+    g = data.view(N // 8, 8, ns, 144).transpose(1, 2)               # (groups, super-blocks, 8 rows, 144)
+    d, dmin = (g[..., o:o + 2].reshape(N // 8, ns, 16) for o in (0, 2))
+    q = g[..., 4:16].to(torch.int16)                                 # ggml's get_scale_min_k4, for all 8
+    lo, hi = q[..., :4], q[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], -1)
+    mn = torch.cat([q[..., 4:8] & 63, (hi >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    sc, mn = (t.to(torch.uint8).transpose(-1, -2).reshape(N // 8, ns, 64) for t in (sc, mn))
+    qs = g[..., 16:].reshape(N // 8, ns, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 1024)
+    return torch.cat([d, dmin, sc, mn, qs], -1).reshape(N, ns * 148).contiguous()
 
 
 def choose_quantization(asked: str, source_kind: str, dtype_asked: str, device: str,
