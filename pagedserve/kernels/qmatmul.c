@@ -23,7 +23,7 @@
 #include "vec16.h"
 
 enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5,
-       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9, W_Q4_KX8 = 10 };    /* 8-row groups: qmatmul_q8 and qdequant only */
+       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9, W_Q4_KX8 = 10, W_Q6_KX8 = 11 };    /* 8-row groups: qmatmul_q8 and qdequant only */
 
 DEFINE_SET_THREADS(qmatmul_set_threads)
 
@@ -307,6 +307,7 @@ typedef struct {
     const int8_t *q;    /* M x K, row stride K */
     const float *d;     /* M x nb: each block's scale */
     const float *ds;    /* M x nb: d * sum(q) of each block (the m term) */
+    const int32_t *s16; /* M x K/16: 32 x the sum of q over each 16 (Q6_Kx8's -32; NULL for the others) */
 } q8rows;
 
 /* x (M x K float32) -> int8 blocks of 32 */
@@ -816,10 +817,131 @@ static void q8_W_Q4_KX8(int M, q8rows x, int K, const uint8_t *w, int64_t rb, fl
     }
 }
 
+/* ---- Q6_Kx8: Q6_K's super-blocks for 8 rows -------------------------------------------------------------
+ * Per super-block of 256 inputs and 8 rows (1,680 bytes: 8 x 210, the file's size): the rows' f16 d (16
+ * bytes), their int8 scales (one per 16 inputs) [group][row] (128), then the file's low-nibble bytes (ql,
+ * 128 a row) and high-bit-pair bytes (qh, 64 a row) in chunks of 32 bytes whose lane c holds row c's bytes
+ * 4p .. 4p+3 of a 32-byte run (ql: 4 runs, qh: 2 runs, in file order). A 32-input sub-block s of a row is
+ * u = (ql nibble) | (qh bit pair << 4) in 0..63, w = d sc (u - 32): per x row 8 vpdpbusd for 8 outputs, the
+ * -32 taken as 32 x (the sum of the 16 inputs of a scale group), computed once per call. */
+#define Q6KX8_BYTES 1680
+
+static void q6kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uint8_t *row) {
+    const int c = (int)(r & 7);
+    const uint8_t *g = w + (r >> 3) * 8 * rb;
+    for (int sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = g + (int64_t)sb * Q6KX8_BYTES;
+        uint8_t *o = row + (int64_t)sb * 210;
+        for (int run = 0; run < 4; run++)
+            for (int p = 0; p < 8; p++) memcpy(o + 32 * run + 4 * p, b + 144 + 256 * run + 32 * p + 4 * c, 4);
+        for (int run = 0; run < 2; run++)
+            for (int p = 0; p < 8; p++) memcpy(o + 128 + 32 * run + 4 * p, b + 1168 + 256 * run + 32 * p + 4 * c, 4);
+        for (int k = 0; k < 16; k++) o[192 + k] = b[16 + 8 * k + c];
+        memcpy(o + 208, b + 2 * c, 2);
+    }
+}
+
+INLINE void q6kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+                       int n1) {
+    const int nb = K / 32, ng = K / 16;
+    const int32_t *s16 = x.s16;
+    for (int n = n0; n < n1; n += 8) {
+        const uint8_t *g = w + (int64_t)n * row_bytes;
+        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
+        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+#if defined(__AVX2__)
+        __m256 acc[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = g + (int64_t)sb * Q6KX8_BYTES;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            for (int h = 0; h < 2; h++) {
+                __m256i hb[8];
+                for (int p = 0; p < 8; p++) hb[p] = _mm256_loadu_si256((const __m256i *)(b + 1168 + 256 * h + 32 * p));
+                for (int t = 0; t < 4; t++) {
+                    const int s = 4 * h + t, j = 8 * sb + s, g0 = 8 * h + 2 * t;
+                    const uint8_t *lb = b + 144 + 256 * (2 * h + (t & 1));
+                    __m256i v[8];
+                    for (int p = 0; p < 8; p++) {
+                        __m256i lo = _mm256_loadu_si256((const __m256i *)(lb + 32 * p));
+                        lo = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (t >> 1)), _mm256_set1_epi8(15));
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb[p], 2 * t), _mm256_set1_epi8(3));
+                        v[p] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                    }
+                    const __m256 sc0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(b + 16 + 8 * g0)))));
+                    const __m256 sc1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(b + 16 + 8 * (g0 + 1))))));
+#pragma GCC unroll 8
+                    for (int m = 0; m < M; m++) {
+                        const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                        __m256i a0 = dpb(_mm256_setzero_si256(), v[0], bcast4(xq));
+                        __m256i a1 = dpb(_mm256_setzero_si256(), v[4], bcast4(xq + 16));
+                        a0 = dpb(a0, v[1], bcast4(xq + 4)), a1 = dpb(a1, v[5], bcast4(xq + 20));
+                        a0 = dpb(a0, v[2], bcast4(xq + 8)), a1 = dpb(a1, v[6], bcast4(xq + 24));
+                        a0 = dpb(a0, v[3], bcast4(xq + 12)), a1 = dpb(a1, v[7], bcast4(xq + 28));
+                        a0 = _mm256_sub_epi32(a0, _mm256_set1_epi32(s16[m * ng + 2 * j]));
+                        a1 = _mm256_sub_epi32(a1, _mm256_set1_epi32(s16[m * ng + 2 * j + 1]));
+                        const __m256 dx = _mm256_set1_ps(x.d[m * nb + j]);
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(sc0, dx), acc[m]);
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(sc1, dx), acc[m]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(out + (int64_t)m * ldo + n, acc[m]);
+#else
+        float acc[MAXM][8];
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) acc[m][c] = 0.0f;
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = g + (int64_t)sb * Q6KX8_BYTES;
+            for (int s = 0; s < 8; s++) {
+                const int h = s >> 2, t = s & 3, j = 8 * sb + s, g0 = 8 * h + 2 * t;
+                const uint8_t *lb = b + 144 + 256 * (2 * h + (t & 1)), *hb = b + 1168 + 256 * h;
+                for (int c = 0; c < 8; c++) {
+                    float d = f16(b + 2 * c);
+                    for (int m = 0; m < M; m++) {
+                        const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                        int32_t sum[2] = {0, 0};
+                        for (int p = 0; p < 8; p++)
+                            for (int i = 0; i < 4; i++) {
+                                int u = ((lb[32 * p + 4 * c + i] >> (4 * (t >> 1))) & 15) |
+                                        (((hb[32 * p + 4 * c + i] >> (2 * t)) & 3) << 4);
+                                sum[p >> 2] += (u - 32) * xq[4 * p + i];
+                            }
+                        float dx = x.d[m * nb + j];
+                        acc[m][c] += (float)sum[0] * (d * (float)(int8_t)b[16 + 8 * g0 + c] * dx) +
+                                     (float)sum[1] * (d * (float)(int8_t)b[16 + 8 * (g0 + 1) + c] * dx);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 8; c++) out[(int64_t)m * ldo + n + c] = acc[m][c];
+#endif
+    }
+}
+
+static void q8_W_Q6_KX8(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0, int n1) {
+    switch (M) {
+    case 1: q6kx8_rows(1, x, K, w, rb, out, ldo, n0, n1); break;
+    case 2: q6kx8_rows(2, x, K, w, rb, out, ldo, n0, n1); break;
+    case 3: q6kx8_rows(3, x, K, w, rb, out, ldo, n0, n1); break;
+    case 4: q6kx8_rows(4, x, K, w, rb, out, ldo, n0, n1); break;
+    case 5: q6kx8_rows(5, x, K, w, rb, out, ldo, n0, n1); break;
+    case 6: q6kx8_rows(6, x, K, w, rb, out, ldo, n0, n1); break;
+    case 7: q6kx8_rows(7, x, K, w, rb, out, ldo, n0, n1); break;
+    default: q6kx8_rows(8, x, K, w, rb, out, ldo, n0, n1); break;
+    }
+}
+
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
                            q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8,
-                           q8_W_Q4_KX8};
+                           q8_W_Q4_KX8, q8_W_Q6_KX8};
 
 /* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,
@@ -829,16 +951,28 @@ void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt
     if (!q) return;
     float *d = (float *)(q + (size_t)M * K), *ds = d + (size_t)M * nb;   /* K is a multiple of 32: aligned */
     quantize_q8(x, M, ldx, K, q, d, ds);
+    int32_t *s16 = NULL;
+    if (fmt == W_Q6_KX8) {                     /* 32 x each 16 inputs' sum, once per call */
+        s16 = malloc(sizeof(int32_t) * (size_t)M * (K / 16));
+        if (!s16) { free(q); return; }
+        for (int64_t i = 0; i < (int64_t)M * (K / 16); i++) {
+            int32_t sum = 0;
+            for (int e = 0; e < 16; e++) sum += q[16 * i + e];
+            s16[i] = 32 * sum;
+        }
+    }
     q8_fn f = Q8[fmt];
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int it = 0; it < items; it++) {
         int n0 = it * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int m0 = 0; m0 < M; m0 += MAXM) {
-            q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb};
+            q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb,
+                         s16 ? s16 + (int64_t)m0 * (K / 16) : NULL};
             f(M - m0 < MAXM ? M - m0 : MAXM, xr, K, w, row_bytes, out + (int64_t)m0 * ldo, ldo, n0, n1);
         }
     }
     free(q);
+    free(s16);
 }
 
 /* n rows (rows[i], or 0..n-1 when rows is NULL) of W as float32 or bfloat16, n x K, contiguous; an
@@ -853,9 +987,9 @@ void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int i = 0; i < n; i++) {
         uint8_t row[row_bytes];
-        if (fmt == W_Q4_KX8) {
-            q4kx8_unpack_row(w, row_bytes, rows ? rows[i] : i, K, row);
-            deq_row(W_Q4_K, row, K, out, (int64_t)i * K, bf16);
+        if (fmt == W_Q4_KX8 || fmt == W_Q6_KX8) {
+            (fmt == W_Q4_KX8 ? q4kx8_unpack_row : q6kx8_unpack_row)(w, row_bytes, rows ? rows[i] : i, K, row);
+            deq_row(fmt == W_Q4_KX8 ? W_Q4_K : W_Q6_K, row, K, out, (int64_t)i * K, bf16);
             continue;
         }
         x8_unpack_row(fmt, w, row_bytes, rows ? rows[i] : i, K, row);

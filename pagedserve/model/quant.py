@@ -40,8 +40,10 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     # the file's rows interleaved in groups of 8 for int8 activations (PackedWeight.interleave)
     "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34), "I8x8": (9, 1, 1),
     "Q4_Kx8": (10, 256, 148),       # 4 bytes more a super-block: the 6-bit scales unpacked to bytes
+    "Q6_Kx8": (11, 256, 210),
 }
-INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8", "Q4_K": "Q4_Kx8"}
+INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8", "Q4_K": "Q4_Kx8",
+               "Q6_K": "Q6_Kx8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -105,8 +107,8 @@ class PackedWeight:
         if fmt is None or N % 8:
             return
         nb, bb = self.K // 32, FORMATS[self.fmt][2]
-        if self.fmt == "Q4_K":
-            self.data, self.fmt = _interleave_q4k(self.data, self.K), fmt
+        if self.fmt in ("Q4_K", "Q6_K"):
+            self.data, self.fmt = (_interleave_q4k if self.fmt == "Q4_K" else _interleave_q6k)(self.data, self.K), fmt
             return
         if self.fmt == "I8":                                    # [f32 scale][K x int8] per row
             scales = self.data[:, :4].reshape(N // 8, 32)
@@ -189,6 +191,18 @@ def _interleave_q4k(data: torch.Tensor, K: int) -> torch.Tensor:
     sc, mn = (t.to(torch.uint8).transpose(-1, -2).reshape(N // 8, ns, 64) for t in (sc, mn))
     qs = g[..., 16:].reshape(N // 8, ns, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 1024)
     return torch.cat([d, dmin, sc, mn, qs], -1).reshape(N, ns * 148).contiguous()
+
+
+def _interleave_q6k(data: torch.Tensor, K: int) -> torch.Tensor:
+    """Q6_K rows (210-byte super-blocks) as Q6_Kx8 (qmatmul.c): per 8 rows and super-block, d x 8, the int8
+    scales [group][row], then the ql and qh bytes in chunks of 4 bytes a row per 32-byte run."""
+    N, ns = data.shape[0], K // 256
+    g = data.view(N // 8, 8, ns, 210).transpose(1, 2)               # (groups, super-blocks, 8 rows, 210)
+    d = g[..., 208:210].reshape(N // 8, ns, 16)
+    sc = g[..., 192:208].transpose(-1, -2).reshape(N // 8, ns, 128)
+    ql = g[..., :128].reshape(N // 8, ns, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 1024)
+    qh = g[..., 128:192].reshape(N // 8, ns, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 512)
+    return torch.cat([d, sc, ql, qh], -1).reshape(N, ns * 210).contiguous()
 
 
 def choose_quantization(asked: str, source_kind: str, dtype_asked: str, device: str,
