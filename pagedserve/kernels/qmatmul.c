@@ -501,20 +501,22 @@ INLINE void q8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     }
 }
 
-#define Q8_M(fmt)                                                                                        \
+/* q8_<fmt>(M, ...): the kernel with M as a compile-time constant (1..8), as dot_rows' DOT_M */
+#define BY_M(fmt, kernel)                                                                                \
     static void q8_##fmt(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0,    \
                          int n1) {                                                                       \
         switch (M) {                                                                                     \
-        case 1: q8_rows(fmt, 1, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 2: q8_rows(fmt, 2, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 3: q8_rows(fmt, 3, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 4: q8_rows(fmt, 4, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 5: q8_rows(fmt, 5, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 6: q8_rows(fmt, 6, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 7: q8_rows(fmt, 7, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        default: q8_rows(fmt, 8, x, K, w, rb, out, ldo, n0, n1); break;                                    \
+        case 1: kernel(fmt, 1, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 2: kernel(fmt, 2, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 3: kernel(fmt, 3, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 4: kernel(fmt, 4, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 5: kernel(fmt, 5, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 6: kernel(fmt, 6, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        case 7: kernel(fmt, 7, x, K, w, rb, out, ldo, n0, n1); break;                                      \
+        default: kernel(fmt, 8, x, K, w, rb, out, ldo, n0, n1); break;                                     \
         }                                                                                                \
     }
+#define Q8_M(fmt) BY_M(fmt, q8_rows)
 Q8_M(W_I8)
 Q8_M(W_Q8_0)
 Q8_M(W_Q4_0)
@@ -598,6 +600,15 @@ INLINE __m256i bcast4(const int8_t *p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+
+/* 8 outputs' dot products with 16 inputs xq[0..15]: v[p] holds the 8 rows' weights 4p .. 4p+3 (sg: their signs,
+ * moved onto x, where the weights went in as |w|; NULL otherwise) */
+INLINE __m256i dot16(const __m256i *v, const __m256i *sg, const int8_t *xq) {
+    __m256i a = _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++)
+        a = dpb(a, v[p], sg ? _mm256_sign_epi8(bcast4(xq + 4 * p), sg[p]) : bcast4(xq + 4 * p));
+    return a;
+}
 #endif
 
 /* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
@@ -635,16 +646,10 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
-                __m256i xs[8];
-                for (int p = 0; p < 8; p++)
-                    xs[p] = x8_bytes8(fmt) && X8_SIGNED ? _mm256_sign_epi8(bcast4(xq + 4 * p), sg[p])
-                                                        : bcast4(xq + 4 * p);
-                __m256i a0 = dpb(_mm256_setzero_si256(), v[0], xs[0]), a1 = dpb(_mm256_setzero_si256(), v[1], xs[1]);
-                a0 = dpb(a0, v[2], xs[2]), a1 = dpb(a1, v[3], xs[3]);
-                a0 = dpb(a0, v[4], xs[4]), a1 = dpb(a1, v[5], xs[5]);
-                a0 = dpb(a0, v[6], xs[6]), a1 = dpb(a1, v[7], xs[7]);
+                const __m256i *sgn = x8_bytes8(fmt) && X8_SIGNED ? sg : NULL;
+                const __m256i a = _mm256_add_epi32(dot16(v, sgn, xq), dot16(v + 4, sgn ? sgn + 4 : NULL, xq + 16));
                 const __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), s, acc[m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), s, acc[m]);
                 accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
             }
         }
@@ -685,20 +690,7 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     }
 }
 
-#define X8_M(fmt)                                                                                        \
-    static void q8_##fmt(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0,    \
-                         int n1) {                                                                       \
-        switch (M) {                                                                                     \
-        case 1: x8_rows(fmt, 1, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 2: x8_rows(fmt, 2, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 3: x8_rows(fmt, 3, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 4: x8_rows(fmt, 4, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 5: x8_rows(fmt, 5, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 6: x8_rows(fmt, 6, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        case 7: x8_rows(fmt, 7, x, K, w, rb, out, ldo, n0, n1); break;                                     \
-        default: x8_rows(fmt, 8, x, K, w, rb, out, ldo, n0, n1); break;                                    \
-        }                                                                                                \
-    }
+#define X8_M(fmt) BY_M(fmt, x8_rows)
 X8_M(W_Q4_0X8)
 X8_M(W_Q4_1X8)
 X8_M(W_Q8_0X8)
@@ -732,7 +724,7 @@ static void q4kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
     }
 }
 
-INLINE void q4kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
                        int n1) {
     const int nb = K / 32;
     for (int n = n0; n < n1; n += 8) {
@@ -761,13 +753,9 @@ INLINE void q4kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
 #pragma GCC unroll 8
                     for (int m = 0; m < M; m++) {
                         const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
-                        __m256i a0 = dpb(_mm256_setzero_si256(), v[0], bcast4(xq));
-                        __m256i a1 = dpb(_mm256_setzero_si256(), v[1], bcast4(xq + 4));
-                        a0 = dpb(a0, v[2], bcast4(xq + 8)), a1 = dpb(a1, v[3], bcast4(xq + 12));
-                        a0 = dpb(a0, v[4], bcast4(xq + 16)), a1 = dpb(a1, v[5], bcast4(xq + 20));
-                        a0 = dpb(a0, v[6], bcast4(xq + 24)), a1 = dpb(a1, v[7], bcast4(xq + 28));
+                        const __m256i a = _mm256_add_epi32(dot16(v, NULL, xq), dot16(v + 4, NULL, xq + 16));
                         const __m256 sx = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), sx, acc[m]);
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sx, acc[m]);
                         accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
                     }
                 }
@@ -804,18 +792,7 @@ INLINE void q4kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     }
 }
 
-static void q8_W_Q4_KX8(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0, int n1) {
-    switch (M) {
-    case 1: q4kx8_rows(1, x, K, w, rb, out, ldo, n0, n1); break;
-    case 2: q4kx8_rows(2, x, K, w, rb, out, ldo, n0, n1); break;
-    case 3: q4kx8_rows(3, x, K, w, rb, out, ldo, n0, n1); break;
-    case 4: q4kx8_rows(4, x, K, w, rb, out, ldo, n0, n1); break;
-    case 5: q4kx8_rows(5, x, K, w, rb, out, ldo, n0, n1); break;
-    case 6: q4kx8_rows(6, x, K, w, rb, out, ldo, n0, n1); break;
-    case 7: q4kx8_rows(7, x, K, w, rb, out, ldo, n0, n1); break;
-    default: q4kx8_rows(8, x, K, w, rb, out, ldo, n0, n1); break;
-    }
-}
+BY_M(W_Q4_KX8, q4kx8_rows)
 
 /* ---- Q6_Kx8: Q6_K's super-blocks for 8 rows -------------------------------------------------------------
  * Per super-block of 256 inputs and 8 rows (1,680 bytes: 8 x 210, the file's size): the rows' f16 d (16
@@ -841,7 +818,7 @@ static void q6kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
     }
 }
 
-INLINE void q6kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
                        int n1) {
     const int nb = K / 32, ng = K / 16;
     const int32_t *s16 = x.s16;
@@ -876,13 +853,9 @@ INLINE void q6kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
 #pragma GCC unroll 8
                     for (int m = 0; m < M; m++) {
                         const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
-                        __m256i a0 = dpb(_mm256_setzero_si256(), v[0], bcast4(xq));
-                        __m256i a1 = dpb(_mm256_setzero_si256(), v[4], bcast4(xq + 16));
-                        a0 = dpb(a0, v[1], bcast4(xq + 4)), a1 = dpb(a1, v[5], bcast4(xq + 20));
-                        a0 = dpb(a0, v[2], bcast4(xq + 8)), a1 = dpb(a1, v[6], bcast4(xq + 24));
-                        a0 = dpb(a0, v[3], bcast4(xq + 12)), a1 = dpb(a1, v[7], bcast4(xq + 28));
-                        a0 = _mm256_sub_epi32(a0, _mm256_set1_epi32(s16[m * ng + 2 * j]));
-                        a1 = _mm256_sub_epi32(a1, _mm256_set1_epi32(s16[m * ng + 2 * j + 1]));
+                        const __m256i a0 = _mm256_sub_epi32(dot16(v, NULL, xq), _mm256_set1_epi32(s16[m * ng + 2 * j]));
+                        const __m256i a1 = _mm256_sub_epi32(dot16(v + 4, NULL, xq + 16),
+                                                            _mm256_set1_epi32(s16[m * ng + 2 * j + 1]));
                         const __m256 dx = _mm256_set1_ps(x.d[m * nb + j]);
                         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(sc0, dx), acc[m]);
                         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(sc1, dx), acc[m]);
@@ -925,18 +898,7 @@ INLINE void q6kx8_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     }
 }
 
-static void q8_W_Q6_KX8(int M, q8rows x, int K, const uint8_t *w, int64_t rb, float *out, int ldo, int n0, int n1) {
-    switch (M) {
-    case 1: q6kx8_rows(1, x, K, w, rb, out, ldo, n0, n1); break;
-    case 2: q6kx8_rows(2, x, K, w, rb, out, ldo, n0, n1); break;
-    case 3: q6kx8_rows(3, x, K, w, rb, out, ldo, n0, n1); break;
-    case 4: q6kx8_rows(4, x, K, w, rb, out, ldo, n0, n1); break;
-    case 5: q6kx8_rows(5, x, K, w, rb, out, ldo, n0, n1); break;
-    case 6: q6kx8_rows(6, x, K, w, rb, out, ldo, n0, n1); break;
-    case 7: q6kx8_rows(7, x, K, w, rb, out, ldo, n0, n1); break;
-    default: q6kx8_rows(8, x, K, w, rb, out, ldo, n0, n1); break;
-    }
-}
+BY_M(W_Q6_KX8, q6kx8_rows)
 
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
