@@ -611,14 +611,19 @@ INLINE __m256i dot16(const __m256i *v, const __m256i *sg, const int8_t *xq) {
 }
 #endif
 
+/* the group of 8 rows starting at row n, the next group's bytes prefetched (PREFETCH_ROWS ahead) */
+INLINE const uint8_t *x8_group(const uint8_t *w, int n, int64_t row_bytes) {
+    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + PREFETCH_ROWS * row_bytes;
+    for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+    return g;
+}
+
 /* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = w + (int64_t)n * row_bytes;
-        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
-        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
@@ -728,9 +733,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
                        int n1) {
     const int nb = K / 32;
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = w + (int64_t)n * row_bytes;
-        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
-        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
@@ -823,9 +826,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
     const int nb = K / 32, ng = K / 16;
     const int32_t *s16 = x.s16;
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = w + (int64_t)n * row_bytes;
-        const uint8_t *ahead = g + PREFETCH_ROWS * row_bytes;
-        for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)
         __m256 acc[MAXM];
 #pragma GCC unroll 8
