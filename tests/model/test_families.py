@@ -213,6 +213,47 @@ def test_packed_gguf_weights_compute_what_the_dequantized_model_computes(saved, 
     assert (logits["gguf"] - logits["none"]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "granite", "mixtral"])
+def test_packed_rows_in_groups_of_8_compute_what_the_file_rows_do(saved, tmp_path, name, monkeypatch):
+    """int8 activations (the bf16 / auto path) on a Q8_0 GGUF of each family: the load regroups the packed
+    matrices 8 rows at a time (PackedWeight.interleave) and the logits are those of the same model on the
+    file's rows (PAGEDSERVE_INTERLEAVE=0) but for float summation order: a 40-row prefill on the packed
+    kernels (MAXM rows at a time), then decode steps (the fused call where the family takes it)."""
+    from pagedserve.core.request import Request
+    from pagedserve.core.scheduler import ScheduledSeq, SchedulerOutput
+    from pagedserve.model import loader
+    from pagedserve.model.quant import PackedWeight
+    from tests.model.families import write_gguf
+    from tests.model.helpers import packed_up_to
+    hf = _as_llama_cpp_writes_it(name, saved[name][1], tmp_path)
+    path = write_gguf(name, hf, tmp_path / f"{name}-q8.gguf", qtype="Q8_0")
+    prompt = _prompts(hf.config.vocab_size)[1]
+    logits, fmts = {}, {}
+    for grouped in (True, False):
+        monkeypatch.setattr(loader, "_LOADED", {})                # a fresh load per layout
+        monkeypatch.setenv("PAGEDSERVE_INTERLEAVE", "1" if grouped else "0")
+        model, cfg = load_model(resolve_model(path), quantization="gguf", int8_act=True)
+        packed_up_to(model, 64)
+        fmts[grouped] = {m.weight.fmt for m in model.modules() if isinstance(getattr(m, "weight", None), PackedWeight)}
+        runner = ModelRunner(model, num_blocks=20 * cfg.kv_layout.num_groups, block_size=16)
+        req = Request("r", prompt, SamplingParams(max_tokens=8), max_tokens=8)
+        ids = list(range(1, 20))
+        blocks, start, n, rows = group_tables(runner, ids), 0, len(prompt), []
+        for _ in range(4):                                        # the prefill, then 3 decode steps
+            rows.append(forward_all_rows(runner, [(req, start, n, ids)])[-1])
+            out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, blocks, True),)))
+            req.append_token(out.sampled["r"][0].token_id)
+            start, n = start + n, 1
+        logits[grouped] = torch.stack(rows)
+    assert fmts == {True: {"Q8_0x8"}, False: {"Q8_0"}}, fmts
+    # the products differ in float summation order only; rounding the next layer's input to int8 can turn
+    # that into a step of 1/127 of a block's largest value, so: within 2 % and each argmax in the other's top-5
+    a, b = logits[True], logits[False]
+    assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item()
+    for x, y in ((a, b), (b, a)):
+        assert (y.topk(5, dim=-1).indices == x.argmax(-1, keepdim=True)).any(-1).all()
+
+
 def test_one_table_for_every_layer_when_the_hybrid_manager_is_off(saved):
     """--disable-hybrid-kv-cache-manager (vLLM's flag): Gemma 3's layers share one table, nothing is
     given back behind the windows (the attention still applies them), tokens still HF's."""
