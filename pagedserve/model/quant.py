@@ -44,6 +44,7 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8", "Q4_K": "Q4_Kx8",
                "Q6_K": "Q6_Kx8"}
+GROUPED = frozenset(INTERLEAVED.values())
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -67,6 +68,11 @@ class PackedWeight:
             raise ValueError(f"{self.fmt} weight of {self.K} inputs needs ({self.K // 32} x 32)-input rows of "
                              f"{want} bytes, got {tuple(self.data.shape)} {self.data.dtype}")
         self.data = self.data.contiguous()
+
+    @property
+    def grouped(self) -> bool:
+        """Rows interleaved 8 at a time (interleave): int8 activations only."""
+        return self.fmt in GROUPED
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -97,12 +103,13 @@ class PackedWeight:
                         int(out.dtype == torch.bfloat16))
 
     def interleave(self) -> None:
-        """For int8 activations (qmatmul_q8): Q4_0 / Q4_1 / Q8_0 / I8 rows regrouped 8 at a time, so one
-        vpdpbusd multiplies 4 inputs with 8 output rows (the layout is described in qmatmul.c, after
-        ggml's Q4_0_8x8): per 32-block the 8 rows' scales, then their bytes 4 at a time (8-bit weights
-        + 128, unsigned; I8's row scales once, first). Same bytes in all; dequantize still gives the
-        file's rows. Other formats, or N not a multiple of 8, stay as they are. Done once at load, after
-        every row-wise change (fusing, permuting, dense copies)."""
+        """For int8 activations (qmatmul_q8): the rows regrouped 8 at a time, so one vpdpbusd multiplies
+        4 inputs with 8 output rows (each format's layout is described in qmatmul.c, after ggml's
+        Q4_0_8x8): per 32-block the 8 rows' scales, then their bytes 4 at a time (8-bit weights + 128,
+        unsigned; I8's row scales once, first; the K-quants keep their super-blocks). The file's bytes
+        (Q4_K: +3 %, its 6-bit scales as bytes); dequantize still gives the file's rows. A matrix whose
+        N is not a multiple of 8 stays as it is. Done once at load, after every row-wise change (fusing,
+        permuting, dense copies)."""
         fmt, N = INTERLEAVED.get(self.fmt), self.data.shape[0]
         if fmt is None or N % 8:
             return
@@ -160,7 +167,7 @@ class PackedWeight:
 
     def _qmatmul(self, x: torch.Tensor, int8_act: bool = False) -> torch.Tensor:
         """The in-register kernels: x in float32, or rounded to int8 blocks of 32 (`int8_act`)."""
-        if self.fmt.endswith("x8") and not int8_act:
+        if self.grouped and not int8_act:
             raise ValueError(f"{self.fmt} weights are multiplied with int8 activations only")
         x32 = x.float().contiguous()
         M, N = x32.shape[0], self.data.shape[0]
@@ -171,7 +178,7 @@ class PackedWeight:
         return out
 
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
-        if self.fmt.endswith("x8"):
+        if self.grouped:
             raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
                             None if self.dense is None else self.dense[perm])
@@ -257,7 +264,7 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Fused projections (q|k|v, gate|up): rows stacked; the parts must share format and K."""
     if len({(p.fmt, p.K) for p in parts}) != 1:
         raise ValueError("cannot fuse packed weights of different formats: " + ", ".join(p.fmt for p in parts))
-    if parts[0].fmt.endswith("x8"):
+    if parts[0].fmt in GROUPED:
         raise ValueError("interleaved weights are not fused (interleave after)")
     return PackedWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].K)
 
