@@ -7,27 +7,17 @@ Usage: python bench/kquant_interleave.py [Q4_K Q6_K]
 import copy
 import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "model"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests", "model")]
+from qmatmul import step_ms  # noqa: E402
 from test_quant import random_blocks  # noqa: E402
 
 from pagedserve.model.quant import PackedWeight  # noqa: E402
 
 SHAPES = [(960, 768), (768, 768), (4096, 768), (768, 2048)] * 24
-
-
-def step_ms(ws: list[PackedWeight], rows: int) -> float:
-    xs = {k: torch.randn(rows, k) for k in {w.K for w in ws}}
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for w in ws:
-            w._qmatmul(xs[w.K], True)
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main():
@@ -38,7 +28,7 @@ def main():
         for w in grouped:
             w.interleave()
         for rows in (1, 2, 4, 8):
-            a, b = step_ms(ws, rows), step_ms(grouped, rows)
+            a, b = step_ms(ws, rows, True), step_ms(grouped, rows, True)
             print(f"{fmt}: {rows} row(s): file rows {a:.2f} ms, {grouped[0].fmt} {b:.2f} ms ({a / b:.2f}x)")
 
 

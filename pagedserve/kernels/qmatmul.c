@@ -292,12 +292,16 @@ static const deq_fn DEQ[] = {deq_W_I8, deq_W_Q8_0, deq_W_Q4_0, deq_W_Q4_1, deq_W
  * The pair sums of vpmaddubsw stay within int16: 2 x 63 x 127 at most. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q8_DOT_ISA "vnni512"
+#define Q8_VNNI 1
 #elif defined(__AVXVNNI__)
 #define Q8_DOT_ISA "avxvnni"
+#define Q8_VNNI 1
 #elif defined(__AVX2__)
 #define Q8_DOT_ISA "maddubs"
+#define Q8_VNNI 0
 #else
 #define Q8_DOT_ISA "scalar"
+#define Q8_VNNI 0
 #endif
 
 /* the products' instruction this build uses, for the log and the tests */
@@ -389,16 +393,19 @@ INLINE void weight_block(int fmt, const uint8_t *row, int j, uint8_t *u, float *
 }
 
 #if defined(__AVX2__)
-/* 8 int32: sums of 4 adjacent u8 x s8 products */
-INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+/* acc + 8 int32 sums of 4 adjacent u8 x s8 products */
+INLINE __m256i dpb(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+/* 8 int32: sums of 4 adjacent u8 x s8 products */
+INLINE __m256i dot_u8s8(__m256i u, __m256i s) { return dpb(_mm256_setzero_si256(), u, s); }
 
 /* the block's weights as 32 bytes in a register, straight from the packed layout */
 INLINE __m256i weight_bytes(int fmt, const uint8_t *row, int j, float *d, float *mn, int16_t *sc) {
@@ -555,9 +562,11 @@ static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int 
     const uint8_t *g = w + (r >> 3) * 8 * rb;
     if (fmt == W_I8X8) {
         memcpy(row, g + 4 * c, 4);
-        for (int j = 0; j < nb; j++)
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b = x8_block(fmt, g, j, rb, nb);
             for (int p = 0; p < 8; p++)
-                for (int t = 0; t < 4; t++) row[4 + 32 * j + 4 * p + t] = x8_block(fmt, g, j, rb, nb)[32 * p + 4 * c + t] ^ 0x80;
+                for (int t = 0; t < 4; t++) row[4 + 32 * j + 4 * p + t] = b[32 * p + 4 * c + t] ^ 0x80;
+        }
         return;
     }
     for (int j = 0; j < nb; j++) {
@@ -575,24 +584,9 @@ static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int 
 }
 
 #if defined(__AVX2__)
-/* acc + 8 int32 sums of 4 adjacent u8 x s8 products */
-INLINE __m256i dpb(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
 /* vpmaddubsw's pair sums saturate at int16: Q8_0's unsigned w + 128 (up to 255) x 127 could reach 64,770,
  * so without VNNI its weights go in as |w| with the sign moved onto x (as q8_rows does) and no m term */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define X8_SIGNED 0
-#else
-#define X8_SIGNED 1
-#endif
+#define X8_SIGNED (!Q8_VNNI)
 
 /* 4 int8 inputs in every 32-bit lane (one broadcast load) */
 INLINE __m256i bcast4(const int8_t *p) {
