@@ -117,6 +117,10 @@ class EngineArgs:
         "last | mean | cls: how embedding requests (LLM.embed, /v1/embeddings) pool the final hidden states; "
         "default: the model's sentence-transformers pooling config, else last (normalized)"))
     device: str = field(default="cpu", metadata=_h("cpu | cuda"))
+    attention_backend: str = field(default="auto", metadata=_h(
+        "auto (native on the CPU where the C kernels take the model's heads and KV format, triton on CUDA, "
+        "torch otherwise) | native | triton (on the CPU: Triton's interpreter, slow; for tests) | torch "
+        "(each context gathered, then SDPA: the reference)"))
     block_size: int = field(default=16, metadata=_h("tokens per KV block"))
     num_kv_blocks: int | None = field(default=None, metadata=_h("KV pool size in blocks (overrides --kv-cache-memory)"))
     kv_cache_memory: str | None = field(default=None, metadata=_h("KV pool size in bytes, e.g. 2GiB; default: 20%% of free memory, at most 4 GiB"))
@@ -196,6 +200,7 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
+                   "attention_backend": ("auto", "native", "triton", "torch"),
                    "quantization": ("auto", "none", "gguf", "int8"), "pooling": (None, "last", "mean", "cls"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static"),

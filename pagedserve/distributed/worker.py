@@ -47,11 +47,12 @@ class CacheSpec:
     kv_dtype: torch.dtype
     seed: int
     layout: KVLayout | None = None        # how layers share block tables; None: the model's own (cfg.kv_layout)
+    attention_backend: str = "auto"       # EngineArgs.attention_backend
 
     def runner(self, model) -> ModelRunner:
         """This rank's runner: the planned blocks for its own KV heads."""
         return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype,
-                           self.layout)
+                           self.layout, self.attention_backend)
 
 
 def run_worker(spec: WorkerSpec) -> None:

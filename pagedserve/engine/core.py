@@ -119,7 +119,10 @@ class EngineCore:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
-                                                                      kv_dtype, args.seed, layout))
+                                                                      kv_dtype, args.seed, layout,
+                                                                      args.attention_backend))
+        log.info("attention: %s (--attention-backend %s)", getattr(self.runner, "attention_backend", "?"),
+                 args.attention_backend)
         if draft is not None:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (

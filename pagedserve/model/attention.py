@@ -6,10 +6,13 @@ float32, bfloat16, or int8 with one float32 scale per token and kv head (k_scale
 shape (num_blocks, block_size, n_kv)). Block 0 is the engine's reserved null block: block tables
 are padded with it.
 
-On the CPU the C kernels (pagedserve.kernels) read the cache in place, every format natively:
-decode rows in one call per layer, every prefill chunk of the step in one more (on AVX-512 hosts;
-on AVX2 ones SDPA over the gathered context is faster: kernels.native_prefill_pays). Elsewhere
-(CUDA, no compiler, an unsupported head size) a torch path gathers each context and calls SDPA.
+Three paths read the cache (the runner picks one per engine: attention_backend):
+  native  on the CPU the C kernels (pagedserve.kernels) read the cache in place, every format natively:
+          decode rows in one call per layer, every prefill chunk of the step in one more (on AVX-512
+          hosts; on AVX2 ones SDPA over the gathered context is faster: kernels.native_prefill_pays)
+  triton  on CUDA the Triton kernels (kernels/triton_attention.py) write and read it in place; on the
+          CPU the same kernels run in Triton's interpreter (tests)
+  torch   the reference: each context gathered (a copy), then SDPA
 """
 from __future__ import annotations
 
@@ -57,6 +60,9 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None    # (P,) long
     native: bool = False                                 # the C kernels read the cache (decode rows)
     native_prefill: bool = False                         # ... and prefill chunks (kernels.native_prefill_pays)
+    triton: bool = False                                 # the Triton kernels write and read the cache
+    max_decode_context: int | None = None                # host-side maxima: Triton's grids without a sync
+    max_prefill_q: int | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -70,8 +76,10 @@ class AttentionMetadata:
         return list(zip(q, self.prefill_context_lens.tolist()))
 
 
-def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, triton: bool = False) -> None:
     """Scatter this step's keys/values (T, n_kv, hd) into their slots, in the cache's format."""
+    if triton:
+        return _triton().write_kv(kv, k, v, slot_mapping)
     n_kv, hd = k.shape[1], k.shape[2]
     if kv.k.dtype == torch.int8:
         for x, cache, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
@@ -92,6 +100,15 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: 
     sliding-window mask (key > query - window). softcap (Gemma 2): scores -> cap * tanh(scores / cap),
     on the torch path (the C kernels do not soft-cap)."""
     d = md.num_decodes
+    if md.triton:
+        ta, out = _triton(), torch.empty_like(q)
+        if d:
+            ta.decode_attention(q[:d], kv, md.decode_block_tables, md.decode_context_lens, scale, window, softcap,
+                                md.max_decode_context, out[:d])
+        if md.num_prefills:
+            ta.prefill_attention(q[d:], kv, md.prefill_block_tables, md.prefill_cu_q, md.prefill_context_lens,
+                                 scale, window, softcap, md.max_prefill_q, out[d:])
+        return out
     if md.native and softcap is None:
         q32 = q.float().contiguous()
         out = torch.empty_like(q32)
@@ -164,6 +181,11 @@ def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=N
                     causal=True)
         out[cu[p]:cu[p + 1]] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _triton():
+    from pagedserve.kernels import triton_attention     # imports triton: only when the path is chosen
+    return triton_attention
 
 
 def _dequant(x: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, kv: LayerKV, md: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """`lora`: the step's adapters (model/lora.py), added to each adapted product's output."""
-        if self.ops is not None:
+        if self.ops is not None and not md.triton:
             return self._forward_native(x, rope, kv, md, lora)
         T, tr, nh, i = x.shape[0], self.transposed, self.n_heads, self.index
         h = rms_norm(x, self.attn_norm, self.eps)
@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qk, *rope)                          # q and k at once
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
-        write_kv(kv, k, v, md.slot_mapping)
+        write_kv(kv, k, v, md.slot_mapping, md.triton)
         o = paged_attention(q, kv, md, self.scale, self.window, self.softcap).reshape(T, -1)
         x = self._add(x, self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr), o, i,
                                                      "o")), self.post_attn_norm)

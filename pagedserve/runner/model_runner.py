@@ -6,6 +6,7 @@ Under tensor parallelism every rank runs one: each holds its slice of the weight
 heads, with the same block ids; all run the same step record; only rank 0 gets logits and samples."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,8 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None, layout: KVLayout | None = None):
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None, layout: KVLayout | None = None,
+                 attention_backend: str = "auto"):
         cfg = model.cfg
         self.model = model
         self.tp_size = model.tp.size
@@ -61,14 +63,33 @@ class ModelRunner:
                           for j in self.layout.layer_plane]
         self.sampler = Sampler(seed)
         self.pool_sums: dict[str, tuple[torch.Tensor, int]] = {}   # embedding requests pooled over chunks so far
-        self.use_native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
-                           and kernels.supports(cfg.head_dim, cfg.num_heads // self.tp_size, self.num_kv_heads)
-                           and kernels.load() is not None)
+        self.attention_backend = self._attention_backend(attention_backend)
+        self.use_native = self.attention_backend == "native"
+        self.use_triton = self.attention_backend == "triton"
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
         self.native_prefill = self.use_native and kernels.native_prefill_pays()
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
         self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
+
+    def _attention_backend(self, want: str) -> str:
+        """native (the C kernels: CPU), triton (CUDA; on the CPU Triton's interpreter, for tests) or torch;
+        auto: native where it takes the cache, triton on CUDA where triton is installed, else torch."""
+        cfg = self.model.cfg
+        native = (self.device.type == "cpu" and self.kv_dtype in kernels.KV_CODES
+                  and kernels.supports(cfg.head_dim, cfg.num_heads // self.tp_size, self.num_kv_heads)
+                  and kernels.load() is not None)
+        triton = importlib.util.find_spec("triton") is not None
+        if want == "auto":
+            return "native" if native else "triton" if self.device.type == "cuda" and triton else "torch"
+        if want == "native" and not native:
+            raise ValueError("attention_backend native: the C attention kernels need the CPU, a compiler and a "
+                             f"head shape they take (head_dim {cfg.head_dim}, KV cache {self.kv_dtype})")
+        if want == "triton" and not triton:
+            raise ValueError("attention_backend triton: triton is not installed")
+        if want not in ("native", "triton", "torch"):
+            raise ValueError(f"attention_backend must be one of auto, native, triton, torch (got {want!r})")
+        return want
 
     # ------------------------------------------------------------ LoRA adapters
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
@@ -172,7 +193,10 @@ class ModelRunner:
         mds = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.long), len(dec_lens),
                                  _padded(dec_tables[g]) if dec_lens else None, dec_t,
                                  _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
-                                 native=self.use_native, native_prefill=self.native_prefill) for g in range(G)]
+                                 native=self.use_native, native_prefill=self.native_prefill, triton=self.use_triton,
+                                 max_decode_context=max(dec_lens, default=0),
+                                 max_prefill_q=max(b - a for a, b in zip(cu_q, cu_q[1:])) if pre_lens else 0)
+               for g in range(G)]
         md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
         lora = self.lora.batch(row_loras, len(dec_lens)) if self.lora is not None else None
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,

@@ -1,0 +1,204 @@
+"""The Triton attention kernels (CUDA's attention path) in Triton's interpreter, against the torch path of
+model/attention.py (each context gathered, then SDPA): the K/V write by slot mapping, decode attention split
+over the context, varlen prefill reading the cache through the block tables; odd block sizes, partial last
+blocks, GQA ratios 1 / 3 / 8, windows, a soft-cap, every KV format. Then engine steps of small random models
+with attention_backend="triton": the same tokens as the torch path and as HF transformers, in float32.
+tests/conftest.py sets TRITON_INTERPRET=1 (no GPU here) before anything imports triton."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve import LLM, SamplingParams                                          # noqa: E402
+from pagedserve.kernels import triton_attention as ta                               # noqa: E402
+from pagedserve.model.attention import (AttentionMetadata, LayerKV, decode_attention,  # noqa: E402
+                                        prefill_attention, write_kv)
+from tests.model.families import save_family                                        # noqa: E402
+from tests.model.helpers import assert_greedy_match, hf_greedy                      # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+TOL = {"float32": 1e-5, "int8": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+def test_the_kernels_run_in_the_interpreter_here():
+    assert ta.INTERPRETED, "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+
+
+def _cache(nb: int, bs: int, n_kv: int, hd: int, dtype: torch.dtype) -> LayerKV:
+    z = lambda dt: torch.zeros(nb, bs, n_kv, hd, dtype=dt)                          # noqa: E731
+    if dtype == torch.int8:
+        return LayerKV(z(dtype), z(dtype), torch.zeros(nb, bs, n_kv), torch.zeros(nb, bs, n_kv))
+    return LayerKV(z(dtype), z(dtype))
+
+
+def _filled(nb, bs, n_kv, hd, kv_name, seed=0) -> tuple[LayerKV, torch.dtype]:
+    """A pool every slot of which the torch path has written (block 0 too: the null block is read as padding)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[kv_name]
+    qdt = torch.float32 if dtype == torch.int8 else dtype
+    kv = _cache(nb, bs, n_kv, hd, dtype)
+    write_kv(kv, torch.randn(nb * bs, n_kv, hd, generator=g).to(qdt), torch.randn(nb * bs, n_kv, hd, generator=g)
+             .to(qdt), torch.arange(nb * bs))
+    return kv, qdt
+
+
+@pytest.mark.parametrize("kv_name", list(DTYPES))
+@pytest.mark.parametrize("bs", [1, 5, 16])
+def test_write_kv_fills_the_slots_the_torch_path_fills(kv_name, bs):
+    """Bit for bit, int8 codes (rounded half to even as torch.round) and scales included; a strided source
+    (K and V are views of one QKV row in the model)."""
+    n_kv, hd, nb = 3, 40, 12
+    dtype = DTYPES[kv_name]
+    qdt = torch.float32 if dtype == torch.int8 else dtype
+    g = torch.Generator().manual_seed(bs)
+    T = 2 * bs + 3
+    kvrow = (torch.randn(T, 2 * n_kv, hd, generator=g) * 3).to(qdt)
+    kvrow[0, 0, :4] = torch.tensor([0.5, -1.5, 2.5, 127.0]).to(qdt)      # int8: scale 1, so .5 ties (half to even)
+    k, v = kvrow[:, :n_kv], kvrow[:, n_kv:]
+    slots = torch.randperm((nb - 1) * bs, generator=g)[:T] + bs        # never the null block
+    ref, ours = _cache(nb, bs, n_kv, hd, dtype), _cache(nb, bs, n_kv, hd, dtype)
+    write_kv(ref, k, v, slots)
+    write_kv(ours, k, v, slots, triton=True)
+    for a, b in zip((ref.k, ref.v, ref.k_scale, ref.v_scale), (ours.k, ours.v, ours.k_scale, ours.v_scale)):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def _tables(lens: list[int], bs: int, nb: int, seed: int) -> torch.Tensor:
+    """Each sequence's blocks, shuffled over the pool, padded with the null block."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // bs) for n in lens)
+    rows = []
+    for n in lens:
+        own = (torch.randperm(nb - 1, generator=g)[: -(-n // bs)] + 1).tolist()
+        rows.append(own + [0] * (width - len(own)))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+CASES = [  # (kv format, block size, GQA group, window, soft-cap)
+    ("float32", 5, 1, 0, None), ("float32", 16, 3, 0, None), ("float32", 3, 8, 0, None),
+    ("float32", 5, 3, 7, None), ("float32", 16, 3, 0, 5.0), ("float32", 5, 8, 9, 5.0),
+    ("bfloat16", 5, 3, 0, None), ("bfloat16", 16, 8, 7, None),
+    ("float16", 16, 1, 0, None), ("float16", 5, 3, 7, 5.0),
+    ("int8", 5, 3, 0, None), ("int8", 16, 8, 7, None), ("int8", 3, 1, 0, 5.0),
+]
+
+
+@pytest.mark.parametrize("kv_name,bs,G,window,softcap", CASES)
+def test_decode_attention_matches_the_torch_path(kv_name, bs, G, window, softcap):
+    """Contexts of one position, a full last block, partial last blocks; head dim 40 (padded tiles)."""
+    n_kv, hd = 2, 40
+    lens = [1, 2 * bs, 2 * bs + 1, 23]
+    nb = 2 + sum(-(-n // bs) for n in lens)
+    kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
+    bt = _tables(lens, bs, nb, seed=bs + G)
+    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(1)).to(qdt)
+    lt = torch.tensor(lens)
+    md = AttentionMetadata(torch.arange(len(lens)), len(lens), bt, lt)
+    ref = decode_attention(q, kv, md, 0.19, window=window, softcap=softcap, native=False)
+    got = ta.decode_attention(q, kv, bt, lt, 0.19, window, softcap)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[kv_name], rtol=0)
+
+
+@pytest.mark.parametrize("kv_name,window", [("float32", 0), ("float32", 300), ("bfloat16", 0), ("int8", 0)])
+def test_decode_attention_split_over_a_long_context(kv_name, window):
+    """Contexts over ta.SPLIT_TOKENS take several splits merged by their log-sum-exp; a window longer than
+    one split too."""
+    n_kv, G, hd, bs = 1, 3, 32, 16
+    lens = [ta.SPLIT_TOKENS * 2 + 37, 5, ta.SPLIT_TOKENS + 1]
+    nb = 2 + sum(-(-n // bs) for n in lens)
+    kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
+    bt = _tables(lens, bs, nb, seed=3)
+    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(2)).to(qdt)
+    lt = torch.tensor(lens)
+    md = AttentionMetadata(torch.arange(len(lens)), len(lens), bt, lt)
+    ref = decode_attention(q, kv, md, 0.2, window=window, native=False)
+    got = ta.decode_attention(q, kv, bt, lt, 0.2, window, max_context=max(lens))
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[kv_name], rtol=0)
+
+
+@pytest.mark.parametrize("kv_name,bs,G,window,softcap", CASES)
+def test_prefill_attention_reads_the_cache_in_place(kv_name, bs, G, window, softcap):
+    """Chunks of one step: a whole prompt, a chunk after a cached prefix (a prefix hit or an earlier chunk),
+    a one-token chunk, a chunk longer than one program's query tile."""
+    n_kv, hd = 2, 40
+    shapes = [(9, 9), (7, 2 * bs + 6), (1, bs + 1), (21, 30)]           # (q_len, context)
+    lens = [n for _, n in shapes]
+    nb = 2 + sum(-(-n // bs) for n in lens)
+    kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
+    bt = _tables(lens, bs, nb, seed=bs * G)
+    cu = torch.tensor([0] + torch.tensor([q for q, _ in shapes]).cumsum(0).tolist())
+    q = torch.randn(int(cu[-1]), n_kv * G, hd, generator=torch.Generator().manual_seed(4)).to(qdt)
+    lt = torch.tensor(lens)
+    md = AttentionMetadata(torch.arange(int(cu[-1])), 0, None, None, bt, cu, lt)
+    ref = prefill_attention(q, kv, md, 0.19, window=window, softcap=softcap, native=False)
+    got = ta.prefill_attention(q, kv, bt, cu, lt, 0.19, window, softcap)
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[kv_name], rtol=0)
+
+
+def test_a_step_of_decode_rows_and_prefill_chunks_through_paged_attention():
+    """model/attention.paged_attention with md.triton: decode rows first, then prefill chunks, one call."""
+    from pagedserve.model.attention import paged_attention
+    n_kv, G, hd, bs = 2, 3, 32, 8
+    dec, pre = [17, 4], [(6, 6), (5, 21)]
+    lens = dec + [n for _, n in pre]
+    nb = 2 + sum(-(-n // bs) for n in lens)
+    kv, _ = _filled(nb, bs, n_kv, hd, "float32")
+    bt = _tables(lens, bs, nb, seed=5)
+    cu = torch.tensor([0, 6, 11])
+    T = len(dec) + 11
+    q = torch.randn(T, n_kv * G, hd, generator=torch.Generator().manual_seed(6))
+    common = dict(slot_mapping=torch.arange(T), num_decodes=2, decode_block_tables=bt[:2],
+                  decode_context_lens=torch.tensor(dec), prefill_block_tables=bt[2:], prefill_cu_q=cu,
+                  prefill_context_lens=torch.tensor([6, 21]))
+    ref = paged_attention(q, kv, AttentionMetadata(**common), 0.2)
+    got = paged_attention(q, kv, AttentionMetadata(**common, triton=True, max_decode_context=17, max_prefill_q=6), 0.2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- engine steps
+
+ENGINE_FAMILIES = ["llama", "qwen3", "gemma2"]     # GQA with biases; q/k norms + a window layer; soft-cap + windows
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    out = {}
+    for name in ENGINE_FAMILIES:
+        d = tmp_path_factory.mktemp(f"triton-{name}")
+        out[name] = (str(d), save_family(name, d, len(tokenizer), tokenizer, sharpen=5.0))
+    return out
+
+
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
+def test_engine_on_the_triton_path_gives_the_torch_paths_tokens(folders, name):
+    """float32, chunked prefill (16-token chunks: later chunks read the earlier ones through the block
+    tables), block size 8, then the same prompts again (prefix hits: chunks after a cached prefix):
+    exactly the torch path's tokens, and HF's by the float32 rule."""
+    d, hf = folders[name]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        with LLM(d, dtype="float32", num_kv_blocks=48, block_size=8, max_num_batched_tokens=32,
+                 long_prefill_token_threshold=16, attention_backend=backend) as llm:
+            assert llm.engine.runner.attention_backend == backend
+            runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                    for _ in range(2)]
+            assert llm.engine.kv.pool.num_cached_blocks() > 0
+        tokens[backend] = [[list(o.outputs[0].token_ids) for o in outs] for outs in runs]
+        assert tokens[backend][0] == tokens[backend][1]
+    assert tokens["triton"] == tokens["torch"]
+    for p, got in zip(prompts, tokens["triton"][0]):
+        ref, ref_lp = hf_greedy(hf, p, 10)
+        assert_greedy_match(got, ref, ref_lp, tol=1e-4)
+
+
+def test_attention_backend_is_checked():
+    from pagedserve.config import EngineArgs
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineArgs(attention_backend="flash").validate()
