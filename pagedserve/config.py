@@ -117,13 +117,21 @@ class EngineArgs:
         "last | mean | cls: how embedding requests (LLM.embed, /v1/embeddings) pool the final hidden states; "
         "default: the model's sentence-transformers pooling config, else last (normalized)"))
     device: str = field(default="cpu", metadata=_h("cpu | cuda"))
+    enforce_eager: bool = field(default=False, metadata=_h(
+        "CUDA: run decode steps eagerly (by default decode-only steps of up to max_num_seqs rows replay CUDA "
+        "graphs captured at start-up for batch sizes 1, 2, 4, 8, ...)"))
     attention_backend: str = field(default="auto", metadata=_h(
         "auto (native on the CPU where the C kernels take the model's heads and KV format, triton on CUDA, "
         "torch otherwise) | native | triton (on the CPU: Triton's interpreter, slow; for tests) | torch "
         "(each context gathered, then SDPA: the reference)"))
     block_size: int = field(default=16, metadata=_h("tokens per KV block"))
     num_kv_blocks: int | None = field(default=None, metadata=_h("KV pool size in blocks (overrides --kv-cache-memory)"))
-    kv_cache_memory: str | None = field(default=None, metadata=_h("KV pool size in bytes, e.g. 2GiB; default: 20%% of free memory, at most 4 GiB"))
+    kv_cache_memory: str | None = field(default=None, metadata=_h(
+        "KV pool size in bytes, e.g. 2GiB; default: on the CPU 20%% of free memory, at most 4 GiB; on CUDA "
+        "what --gpu-memory-utilization leaves"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_h(
+        "CUDA: the share of each GPU's memory the engine may use; the KV pool gets what the weights, the "
+        "workspace and other processes leave of it"))
     max_model_len: int | None = field(default=None, metadata=_h("longest prompt + output; default: the model's context, at most 8192"))
     max_num_batched_tokens: int = field(default=1024, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=64, metadata=_h("most requests running at once"))
@@ -208,6 +216,9 @@ class EngineArgs:
         for name, ok in choices.items():
             if getattr(self, name) not in ok:
                 bad(name, f"must be one of {ok}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", "must be a number in (0, 1]")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             bad("swap_space", "must be a non-negative number of GiB")
         spec = SpeculativeConfig.parse(self.speculative_config)

@@ -79,3 +79,18 @@ def test_arithmetic_does_not_load_the_engine():
             "print(sorted(m for m in ('torch', 'pagedserve.engine.llm_engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_gpu_memory_utilization_sizes_the_kv_pool_from_what_the_gpu_has_left():
+    """vLLM's rule per GPU: utilization x total, less what is in use after the weights (any process's) and
+    the workspace; nothing left is a ValueError naming the parameter, and the argument is range-checked."""
+    import pytest
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.core import GiB, gpu_kv_budget
+    assert gpu_kv_budget(free=120 * GiB, total=140 * GiB, utilization=0.9, workspace=2 * GiB) == \
+        int(0.9 * 140 * GiB) - 20 * GiB - 2 * GiB
+    with pytest.raises(ValueError, match="gpu_memory_utilization 0.1 leaves no KV cache memory"):
+        gpu_kv_budget(free=120 * GiB, total=140 * GiB, utilization=0.1, workspace=0)
+    for bad in (0, 1.5, -0.2, "0.9", True):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineArgs(gpu_memory_utilization=bad).validate()

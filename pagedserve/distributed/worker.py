@@ -48,11 +48,12 @@ class CacheSpec:
     seed: int
     layout: KVLayout | None = None        # how layers share block tables; None: the model's own (cfg.kv_layout)
     attention_backend: str = "auto"       # EngineArgs.attention_backend
+    decode_graphs: tuple[int, int] | None = None    # (max_num_seqs, max_model_len): CUDA graphs; None: eager
 
     def runner(self, model) -> ModelRunner:
         """This rank's runner: the planned blocks for its own KV heads."""
         return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype,
-                           self.layout, self.attention_backend)
+                           self.layout, self.attention_backend, self.decode_graphs)
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -118,11 +118,14 @@ class EngineCore:
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
+        graphs = None if args.enforce_eager or args.device != "cuda" or args.enable_lora \
+            else (args.max_num_seqs, self.max_model_len)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
                                                                       kv_dtype, args.seed, layout,
-                                                                      args.attention_backend))
-        log.info("attention: %s (--attention-backend %s)", getattr(self.runner, "attention_backend", "?"),
-                 args.attention_backend)
+                                                                      args.attention_backend, graphs))
+        log.info("attention: %s (--attention-backend %s); CUDA graphs: %s",
+                 getattr(self.runner, "attention_backend", "?"), args.attention_backend,
+                 "off (not on CUDA)" if args.device != "cuda" else getattr(self.runner, "graphs_note", "?"))
         if draft is not None:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (
@@ -282,6 +285,12 @@ class EngineCore:
         if a.kv_cache_memory is not None:
             budget = parse_bytes(a.kv_cache_memory, "kv_cache_memory")
             how = "kv_cache_memory"
+        elif a.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            ranks = self.executor.tp.size       # each rank holds its share of the KV heads on its own GPU
+            budget = gpu_kv_budget(free, total, a.gpu_memory_utilization, self.workspace_bytes) * ranks
+            how = (f"gpu_memory_utilization {a.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
+                   f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
         else:
             free = _free_memory_bytes(a.device)
             budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
@@ -470,6 +479,18 @@ def _free_memory_bytes(device: str) -> int:
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
     return available_memory_bytes()
+
+
+def gpu_kv_budget(free: int, total: int, utilization: float, workspace: int) -> int:
+    """One GPU's KV pool bytes (vLLM's gpu_memory_utilization): the share of the device the engine may use,
+    less what is in use once the weights are loaded (this process's and any other's) and the step's
+    workspace. ValueError naming the parameter when nothing is left."""
+    budget = int(utilization * total) - (total - free) - workspace
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization:g} leaves no KV cache memory: "
+                         f"{utilization:g} x {total / GiB:.1f} GiB, {(total - free) / GiB:.1f} GiB already in use, "
+                         f"{workspace / GiB:.2f} GiB workspace")
+    return budget
 
 
 def window_plan(cfg, layout: KVLayout, bytes_per_token: int) -> str:

@@ -227,9 +227,11 @@ class LlamaForCausalLM(nn.Module):
         self.fused: FusedDecode | None = None     # few-row decode steps in one native call (choose_decode_path)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
-                md: AttentionMetadata | list[AttentionMetadata], lora: LoRABatch | None = None) -> torch.Tensor:
+                md: AttentionMetadata | list[AttentionMetadata], lora: LoRABatch | None = None,
+                max_position: int | None = None) -> torch.Tensor:
         """md: one for every layer, or one per layer (layers in different KV groups read different block
-        tables: core/kv_layout.py). lora: the step's LoRA adapters by row (model/lora.py), or None."""
+        tables: core/kv_layout.py). lora: the step's LoRA adapters by row (model/lora.py), or None.
+        max_position: a bound on `positions` (runner/cuda_graphs.py: nothing read back while capturing)."""
         mds = md if isinstance(md, list) else itertools.repeat(md)
         x = self.embed(input_ids)                                          # (T, hidden)
         if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
@@ -237,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
         if self.fused is not None and self.fused.takes(x, md, lora):
             return self.fused.run(x, positions, kv_caches, md, lora)
-        ropes = {k: table(positions, dt, dev) for k, table in self.ropes.items()}   # (T, 1, rot) cos, sin
+        ropes = {k: table(positions, dt, dev, max_position) for k, table in self.ropes.items()}  # (T, 1, rot)
         for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
             x = layer(x, None if key is None else ropes[key], kv, layer_md, lora)
         return x

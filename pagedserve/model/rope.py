@@ -80,8 +80,14 @@ class RopeTable:
         # (dtype, device) -> (cos, sin): a half-precision model's fused decode steps read float32 ones
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        n = int(positions.max()) + 1 if positions.numel() else 0
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, device,
+                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """max_position: a bound on `positions` known to the caller (a CUDA graph's capture may not read
+        the device's tensors back)."""
+        if max_position is not None:
+            n = max_position + 1
+        else:
+            n = int(positions.max()) + 1 if positions.numel() else 0
         key = (dtype, str(device))
         t = self._tables.get(key)
         if t is None or n > t[0].shape[0]:

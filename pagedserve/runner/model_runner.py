@@ -21,6 +21,8 @@ from pagedserve.errors import EngineDeadError
 from pagedserve.model.attention import AttentionMetadata, LayerKV, kv_scale_bytes
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRABatch, LoRASlots, LoRAWeights
+from pagedserve.runner import cuda_graphs
+from pagedserve.runner.cuda_graphs import DecodeGraphs
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
 from pagedserve.sampling_params import PoolingParams
 
@@ -42,7 +44,9 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  seed: int = 0, kv_cache_dtype: torch.dtype | None = None, layout: KVLayout | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", decode_graphs: tuple[int, int] | None = None):
+        """decode_graphs: (max_num_seqs, max_model_len) to capture decode steps as CUDA graphs where they
+        can be (runner/cuda_graphs.py); None: every step eager."""
         cfg = model.cfg
         self.model = model
         self.tp_size = model.tp.size
@@ -71,6 +75,11 @@ class ModelRunner:
         self.native_prefill = self.use_native and kernels.native_prefill_pays()
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
         self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
+        self.graphs: DecodeGraphs | None = None       # decode steps replayed from CUDA graphs
+        self.graphs_note = "off (enforce_eager)" if decode_graphs is None else cuda_graphs.why_not(model, self, False)
+        if decode_graphs is not None and self.graphs_note is None:
+            self.graphs = DecodeGraphs(model, self.kv_caches, *decode_graphs, block_size, self.device)
+            self.graphs_note = f"decode batch sizes {self.graphs.sizes}"
 
     def _attention_backend(self, want: str) -> str:
         """native (the C kernels: CPU), triton (CUDA; on the CPU Triton's interpreter, for tests) or torch;
@@ -93,6 +102,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------ LoRA adapters
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        if self.graphs is not None:
+            self.graphs, self.graphs_note = None, "off (LoRA adapters)"
         self.lora = LoRASlots(self.model.cfg, max_loras, max_rank, self.dtype, self.device)
 
     def add_lora(self, lora_id: int, weights: LoRAWeights) -> None:
@@ -104,8 +115,10 @@ class ModelRunner:
     def _alloc(self, num_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.model.cfg
         shape = (self.layout.planes, 2, num_blocks, self.block_size, self.num_kv_heads)
-        data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device)
-        scales = torch.zeros(shape, dtype=torch.float32, device=device) if kv_scale_bytes(self.kv_dtype) else None
+        pin = device.type == "cpu" and self.device.type == "cuda"     # the swap tier of a GPU pool: pinned
+        data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device, pin_memory=pin)
+        scales = torch.zeros(shape, dtype=torch.float32, device=device, pin_memory=pin) \
+            if kv_scale_bytes(self.kv_dtype) else None
         return data, scales
 
     @property
@@ -251,7 +264,10 @@ class ModelRunner:
             md = _to_device(md, dev) if isinstance(md, AttentionMetadata) else _to_device_per_layer(md, dev)
         t1 = time.perf_counter()
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
+            if self.graphs is not None and lora is None and self.graphs.takes(input_ids.shape[0], md):
+                hidden = self.graphs.run(input_ids, positions, md)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
             n = len(sample_rows)
             logits = self.model.compute_logits(hidden[torch.tensor(rows[:n], dtype=torch.long, device=dev)]) \
                 if n else None

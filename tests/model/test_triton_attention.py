@@ -3,7 +3,8 @@ model/attention.py (each context gathered, then SDPA): the K/V write by slot map
 over the context, varlen prefill reading the cache through the block tables; odd block sizes, partial last
 blocks, GQA ratios 1 / 3 / 8, windows, a soft-cap, every KV format. Then engine steps of small random models
 with attention_backend="triton": the same tokens as the torch path and as HF transformers, in float32.
-tests/conftest.py sets TRITON_INTERPRET=1 (no GPU here) before anything imports triton."""
+Without a GPU tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton; with one (bench/
+gpu_check.py) the same tests run compiled on CUDA tensors."""
 from __future__ import annotations
 
 import pytest
@@ -18,18 +19,20 @@ from pagedserve.model.attention import (AttentionMetadata, LayerKV, decode_atten
 from tests.model.families import save_family                                        # noqa: E402
 from tests.model.helpers import assert_greedy_match, hf_greedy                      # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 TOL = {"float32": 1e-5, "int8": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def test_the_kernels_run_in_the_interpreter_here():
-    assert ta.INTERPRETED, "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+def test_the_kernels_run_in_the_interpreter_without_a_gpu():
+    assert ta.INTERPRETED == (DEVICE == "cpu"), "tests/conftest.py sets TRITON_INTERPRET=1 without a GPU"
 
 
 def _cache(nb: int, bs: int, n_kv: int, hd: int, dtype: torch.dtype) -> LayerKV:
-    z = lambda dt: torch.zeros(nb, bs, n_kv, hd, dtype=dt)                          # noqa: E731
+    z = lambda dt: torch.zeros(nb, bs, n_kv, hd, dtype=dt, device=DEVICE)         # noqa: E731
     if dtype == torch.int8:
-        return LayerKV(z(dtype), z(dtype), torch.zeros(nb, bs, n_kv), torch.zeros(nb, bs, n_kv))
+        s = lambda: torch.zeros(nb, bs, n_kv, device=DEVICE)                       # noqa: E731
+        return LayerKV(z(dtype), z(dtype), s(), s())
     return LayerKV(z(dtype), z(dtype))
 
 
@@ -39,8 +42,8 @@ def _filled(nb, bs, n_kv, hd, kv_name, seed=0) -> tuple[LayerKV, torch.dtype]:
     dtype = DTYPES[kv_name]
     qdt = torch.float32 if dtype == torch.int8 else dtype
     kv = _cache(nb, bs, n_kv, hd, dtype)
-    write_kv(kv, torch.randn(nb * bs, n_kv, hd, generator=g).to(qdt), torch.randn(nb * bs, n_kv, hd, generator=g)
-             .to(qdt), torch.arange(nb * bs))
+    k, v = (torch.randn(nb * bs, n_kv, hd, generator=g).to(qdt).to(DEVICE) for _ in range(2))
+    write_kv(kv, k, v, torch.arange(nb * bs, device=DEVICE))
     return kv, qdt
 
 
@@ -56,8 +59,9 @@ def test_write_kv_fills_the_slots_the_torch_path_fills(kv_name, bs):
     T = 2 * bs + 3
     kvrow = (torch.randn(T, 2 * n_kv, hd, generator=g) * 3).to(qdt)
     kvrow[0, 0, :4] = torch.tensor([0.5, -1.5, 2.5, 127.0]).to(qdt)      # int8: scale 1, so .5 ties (half to even)
+    kvrow = kvrow.to(DEVICE)
     k, v = kvrow[:, :n_kv], kvrow[:, n_kv:]
-    slots = torch.randperm((nb - 1) * bs, generator=g)[:T] + bs        # never the null block
+    slots = (torch.randperm((nb - 1) * bs, generator=g)[:T] + bs).to(DEVICE)        # never the null block
     ref, ours = _cache(nb, bs, n_kv, hd, dtype), _cache(nb, bs, n_kv, hd, dtype)
     write_kv(ref, k, v, slots)
     write_kv(ours, k, v, slots, triton=True)
@@ -74,7 +78,7 @@ def _tables(lens: list[int], bs: int, nb: int, seed: int) -> torch.Tensor:
     for n in lens:
         own = (torch.randperm(nb - 1, generator=g)[: -(-n // bs)] + 1).tolist()
         rows.append(own + [0] * (width - len(own)))
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long, device=DEVICE)
 
 
 CASES = [  # (kv format, block size, GQA group, window, soft-cap)
@@ -94,9 +98,9 @@ def test_decode_attention_matches_the_torch_path(kv_name, bs, G, window, softcap
     nb = 2 + sum(-(-n // bs) for n in lens)
     kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
     bt = _tables(lens, bs, nb, seed=bs + G)
-    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(1)).to(qdt)
-    lt = torch.tensor(lens)
-    md = AttentionMetadata(torch.arange(len(lens)), len(lens), bt, lt)
+    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(1)).to(qdt).to(DEVICE)
+    lt = torch.tensor(lens, device=DEVICE)
+    md = AttentionMetadata(torch.arange(len(lens), device=DEVICE), len(lens), bt, lt)
     ref = decode_attention(q, kv, md, 0.19, window=window, softcap=softcap, native=False)
     got = ta.decode_attention(q, kv, bt, lt, 0.19, window, softcap)
     assert got.dtype == q.dtype
@@ -112,9 +116,9 @@ def test_decode_attention_split_over_a_long_context(kv_name, window):
     nb = 2 + sum(-(-n // bs) for n in lens)
     kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
     bt = _tables(lens, bs, nb, seed=3)
-    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(2)).to(qdt)
-    lt = torch.tensor(lens)
-    md = AttentionMetadata(torch.arange(len(lens)), len(lens), bt, lt)
+    q = torch.randn(len(lens), n_kv * G, hd, generator=torch.Generator().manual_seed(2)).to(qdt).to(DEVICE)
+    lt = torch.tensor(lens, device=DEVICE)
+    md = AttentionMetadata(torch.arange(len(lens), device=DEVICE), len(lens), bt, lt)
     ref = decode_attention(q, kv, md, 0.2, window=window, native=False)
     got = ta.decode_attention(q, kv, bt, lt, 0.2, window, max_context=max(lens))
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[kv_name], rtol=0)
@@ -130,10 +134,10 @@ def test_prefill_attention_reads_the_cache_in_place(kv_name, bs, G, window, soft
     nb = 2 + sum(-(-n // bs) for n in lens)
     kv, qdt = _filled(nb, bs, n_kv, hd, kv_name)
     bt = _tables(lens, bs, nb, seed=bs * G)
-    cu = torch.tensor([0] + torch.tensor([q for q, _ in shapes]).cumsum(0).tolist())
-    q = torch.randn(int(cu[-1]), n_kv * G, hd, generator=torch.Generator().manual_seed(4)).to(qdt)
-    lt = torch.tensor(lens)
-    md = AttentionMetadata(torch.arange(int(cu[-1])), 0, None, None, bt, cu, lt)
+    cu = torch.tensor([0] + torch.tensor([q for q, _ in shapes]).cumsum(0).tolist(), device=DEVICE)
+    q = torch.randn(int(cu[-1]), n_kv * G, hd, generator=torch.Generator().manual_seed(4)).to(qdt).to(DEVICE)
+    lt = torch.tensor(lens, device=DEVICE)
+    md = AttentionMetadata(torch.arange(int(cu[-1]), device=DEVICE), 0, None, None, bt, cu, lt)
     ref = prefill_attention(q, kv, md, 0.19, window=window, softcap=softcap, native=False)
     got = ta.prefill_attention(q, kv, bt, cu, lt, 0.19, window, softcap)
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[kv_name], rtol=0)
@@ -148,12 +152,12 @@ def test_a_step_of_decode_rows_and_prefill_chunks_through_paged_attention():
     nb = 2 + sum(-(-n // bs) for n in lens)
     kv, _ = _filled(nb, bs, n_kv, hd, "float32")
     bt = _tables(lens, bs, nb, seed=5)
-    cu = torch.tensor([0, 6, 11])
+    cu = torch.tensor([0, 6, 11], device=DEVICE)
     T = len(dec) + 11
-    q = torch.randn(T, n_kv * G, hd, generator=torch.Generator().manual_seed(6))
-    common = dict(slot_mapping=torch.arange(T), num_decodes=2, decode_block_tables=bt[:2],
-                  decode_context_lens=torch.tensor(dec), prefill_block_tables=bt[2:], prefill_cu_q=cu,
-                  prefill_context_lens=torch.tensor([6, 21]))
+    q = torch.randn(T, n_kv * G, hd, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    common = dict(slot_mapping=torch.arange(T, device=DEVICE), num_decodes=2, decode_block_tables=bt[:2],
+                  decode_context_lens=torch.tensor(dec, device=DEVICE), prefill_block_tables=bt[2:], prefill_cu_q=cu,
+                  prefill_context_lens=torch.tensor([6, 21], device=DEVICE))
     ref = paged_attention(q, kv, AttentionMetadata(**common), 0.2)
     got = paged_attention(q, kv, AttentionMetadata(**common, triton=True, max_decode_context=17, max_prefill_q=6), 0.2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
@@ -185,7 +189,7 @@ def test_engine_on_the_triton_path_gives_the_torch_paths_tokens(folders, name):
     tokens = {}
     for backend in ("torch", "triton"):
         with LLM(d, dtype="float32", num_kv_blocks=48, block_size=8, max_num_batched_tokens=32,
-                 long_prefill_token_threshold=16, attention_backend=backend) as llm:
+                 long_prefill_token_threshold=16, attention_backend=backend, device=DEVICE) as llm:
             assert llm.engine.runner.attention_backend == backend
             runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                     for _ in range(2)]
@@ -202,3 +206,41 @@ def test_attention_backend_is_checked():
     from pagedserve.config import EngineArgs
     with pytest.raises(ValueError, match="attention_backend"):
         EngineArgs(attention_backend="flash").validate()
+
+
+def test_graph_sizes_are_powers_of_two_then_max_num_seqs():
+    from pagedserve.runner.cuda_graphs import graph_sizes
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_sizes(6) == [1, 2, 4, 6]
+
+
+def test_decode_steps_through_the_graph_buffers_give_the_plain_steps_tokens(folders):
+    """What a CUDA graph replays: decode rows copied into persistent buffers, padded up to a graph size
+    (padding rows write the null block's slot 0), block tables max_model_len wide, the split count fixed by
+    max_model_len. Without a GPU the buffers run eagerly (capture=False); on one the graphs are captured
+    at start-up. Requests of different lengths end at different steps, so batches shrink (stale rows of a
+    larger step must not write live slots): the tokens of plain eager steps, exactly, in float32."""
+    from pagedserve.runner.cuda_graphs import DecodeGraphs
+    d, hf = folders["llama"]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 12)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (4, 12, 7, 9, 2)]
+    tokens = {}
+    for graphs in (False, True):
+        with LLM(d, dtype="float32", num_kv_blocks=48, block_size=8, max_num_seqs=6, max_model_len=300,
+                 attention_backend="triton", device=DEVICE, enforce_eager=not graphs) as llm:
+            r = llm.engine.runner
+            if DEVICE == "cpu":
+                assert r.graphs is None and r.graphs_note.startswith("off")
+                if graphs:
+                    r.graphs = DecodeGraphs(r.model, r.kv_caches, 6, llm.engine.max_model_len, 8, r.device,
+                                            capture=False)
+            else:
+                assert (r.graphs is not None) == graphs, r.graphs_note
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens[graphs] = [list(o.outputs[0].token_ids) for o in outs]
+            if graphs:
+                assert r.graphs.replays >= 10 and r.graphs.sizes == [1, 2, 4, 6]
+                assert r.graphs.lens.shape == (6,) and r.graphs.tables.shape == (6, 38)
+    assert tokens[True] == tokens[False]
