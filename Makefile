@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve chat test bench bench-llamacpp bench-llama-server browser clean
+.PHONY: setup serve chat test bench bench-llamacpp bench-llama-server browser gpu-check-assets clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ bench-llama-server: setup
 		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMACPP_CMAKE)
 	cmake --build build/llama.cpp/build -j$$(nproc) --target llama-server llama-quantize
 	mkdir -p build/llama.cpp/bin && cp build/llama.cpp/build/bin/llama-server build/llama.cpp/build/bin/llama-quantize build/llama.cpp/bin/
+
+# what bench/gpu_check.py needs on the GPU machine and its image lacks (pure-Python wheels, < 5 MB) and the
+# mixed64 workload; the device tool carries build/gpu_check (an ignored path) with the working tree
+GPU_WHEELS := pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0 packaging==26.4 \
+	gguf==0.19.0
+gpu-check-assets: setup
+	rm -rf build/gpu_check && mkdir -p build/gpu_check/wheels
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d build/gpu_check/wheels $(GPU_WHEELS)
+	$(PY) ../shared/bench/workload.py mixed64 > build/gpu_check/mixed64.jsonl
 
 clean:
 	rm -rf $(VENV)

@@ -125,7 +125,8 @@ class EngineCore:
                                                                       args.attention_backend, graphs))
         log.info("attention: %s (--attention-backend %s); CUDA graphs: %s",
                  getattr(self.runner, "attention_backend", "?"), args.attention_backend,
-                 "off (not on CUDA)" if args.device != "cuda" else getattr(self.runner, "graphs_note", "?"))
+                 "off (not on CUDA)" if args.device != "cuda" else "off (enforce_eager)" if args.enforce_eager
+                 else "off (LoRA)" if args.enable_lora else getattr(self.runner, "graphs_note", "?"))
         if draft is not None:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (

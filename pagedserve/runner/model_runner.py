@@ -76,7 +76,7 @@ class ModelRunner:
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
         self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
         self.graphs: DecodeGraphs | None = None       # decode steps replayed from CUDA graphs
-        self.graphs_note = "off (enforce_eager)" if decode_graphs is None else cuda_graphs.why_not(model, self, False)
+        self.graphs_note = "off" if decode_graphs is None else cuda_graphs.why_not(model, self, False)
         if decode_graphs is not None and self.graphs_note is None:
             self.graphs = DecodeGraphs(model, self.kv_caches, *decode_graphs, block_size, self.device)
             self.graphs_note = f"decode batch sizes {self.graphs.sizes}"

@@ -44,6 +44,19 @@ def family_specs() -> dict[str, tuple[str, str, dict]]:
     }
 
 
+def tiny_tokenizer(vocab_size: int = 512):
+    """A word-level tokenizer of `vocab_size` ids ("w3", "w4", ...), made by tokenizers itself: for tests
+    that need a model folder and nothing of the bundled GGUF (bench/gpu_check.py runs them on a GPU
+    machine that has no copy of it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")          # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def save_family(name: str, d, vocab_size: int, tokenizer=None, sharpen: float = 3.0, **fields):
     """Save a seeded random `name` model in folder d (and the tokenizer, when given); returns the HF
     model. `fields` replace the family's test fields."""

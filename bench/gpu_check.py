@@ -1,0 +1,397 @@
+"""Issue 28's GPU check: one command on one H200 (<= 8 minutes), every figure a JSON line.
+
+    make gpu-check-assets                 # here: build/gpu_check/ (wheels the GPU image lacks, mixed64.jsonl)
+    python bench/gpu_check.py --out DIR   # there (the device tool: carry ["build/gpu_check"], --out $OUT)
+    python bench/gpu_check.py --cpu-smoke # here: every section at toy sizes on the CPU (Triton's interpreter)
+
+Sections, in order; each one's failure is recorded and the next still runs:
+  env        the GPU, torch / triton / transformers versions; wheels from build/gpu_check/wheels installed
+             into a private folder where the image lacks them (pytest and its dependencies, gguf)
+  unit       pytest tests/model/test_triton_attention.py on CUDA tensors (the kernels compiled, not
+             interpreted) and the engine steps in it (the Triton path vs torch, CUDA graphs vs eager)
+  reference  random models of four families written by transformers: float32 greedy through the engine
+             on the GPU against HF's (vLLM's near-tie rule), bfloat16 against float32 (the closeness rule:
+             equal tokens, or at the first difference each token in the other's top-5)
+  bandwidth  decode attention over 64 sequences x 4,096 positions (Llama-3-8B's KV heads, bf16): bytes of
+             K/V read per second, next to a device-to-device copy's (read + written bytes per second)
+  mixed64    a Llama-3-8B-shaped random model in bf16 (--layers of them): the shared mixed64 workload through
+             pagedserve (CUDA graphs on) and through HF transformers' continuous batching on the same GPU,
+             output tok/s and their ratio; each of our steps traced (`pagedserve simulate --calibrate-from`
+             reads the file) and compared with the simulator's h200 profile (median |predicted / measured - 1|)
+
+Aims (issue 28): mixed64 >= 3x HF continuous batching; decode attention >= 60 % of the copy bandwidth; the
+h200 profile within 20 % of the measured step times.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSETS = os.path.join(ROOT, "build", "gpu_check")
+# wheel name prefix -> the module it provides
+WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig", "pygments": "pygments",
+          "pytest_timeout": "pytest_timeout", "packaging": "packaging", "gguf": "gguf"}
+FAMILIES = ["llama", "qwen3", "gemma2", "mistral"]
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+class Report:
+    def __init__(self, out: str):
+        os.makedirs(out, exist_ok=True)
+        self.out = out
+        self.file = open(os.path.join(out, "gpu_check.jsonl"), "a", buffering=1)
+
+    def __call__(self, section: str, **fields) -> None:
+        line = json.dumps({"section": section, **fields}, default=str)
+        print(line, flush=True)
+        self.file.write(line + "\n")
+
+
+def section(report: Report, name: str, fn, *args) -> None:
+    t0 = time.perf_counter()
+    try:
+        fields = fn(*args) or {}
+        report(name, ok=fields.pop("ok", True), seconds=round(time.perf_counter() - t0, 1), **fields)
+    except Exception as e:      # recorded; the next section still runs
+        report(name, ok=False, seconds=round(time.perf_counter() - t0, 1), error=f"{type(e).__name__}: {e}",
+               trace=traceback.format_exc()[-3000:])
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- env
+
+def install_missing_wheels(target: str) -> list[str]:
+    """The wheels in build/gpu_check/wheels whose module this Python lacks, installed (no index, no
+    dependencies) into `target`, which goes first on sys.path and PYTHONPATH."""
+    folder = os.path.join(ASSETS, "wheels")
+    if not os.path.isdir(folder):
+        return []
+    missing = [w for w in sorted(os.listdir(folder)) if w.endswith(".whl")
+               and importlib.util.find_spec(WHEELS.get(w.split("-")[0].lower(), w.split("-")[0])) is None]
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                        target] + [os.path.join(folder, w) for w in missing], check=True)
+        sys.path.insert(0, target)
+        os.environ["PYTHONPATH"] = os.pathsep.join([target, ROOT] + [p for p in
+                                                   [os.environ.get("PYTHONPATH")] if p])
+        importlib.invalidate_caches()
+    return missing
+
+
+def env(target: str, device: str) -> dict:
+    installed = install_missing_wheels(target)
+    import torch
+    import transformers
+    import triton
+    out = dict(installed_wheels=installed, python=sys.version.split()[0], torch=torch.__version__,
+               triton=triton.__version__, transformers=transformers.__version__, device=device)
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        out |= dict(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+def unit(smoke: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+           "tests/model/test_triton_attention.py"]
+    envv = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    r = subprocess.run(cmd, cwd=ROOT, env=envv, capture_output=True, text=True, timeout=300 if not smoke else 600)
+    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    return dict(ok=r.returncode == 0, rc=r.returncode, summary=tail[-1] if tail else "", tail=tail)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+def reference(device: str, workdir: str) -> dict:
+    import torch
+    sys.path.insert(0, ROOT)
+    from pagedserve import LLM, SamplingParams
+    from tests.model.families import save_family, tiny_tokenizer
+    from tests.model.helpers import assert_greedy_match, hf_greedy
+    tok, n_tokens = tiny_tokenizer(512), 16
+    results, ok = {}, True
+    for name in FAMILIES:
+        d = os.path.join(workdir, f"ref-{name}")
+        hf = save_family(name, d, len(tok), tok, sharpen=5.0)
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 90)]
+        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+        runs = {}
+        for dtype in ("float32", "bfloat16"):
+            with LLM(d, dtype=dtype, device=device, num_kv_blocks=64, block_size=16) as llm:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                runs[dtype] = [(list(o.outputs[0].token_ids), [set(lp) for lp in o.outputs[0].logprobs])
+                               for o in outs]
+                backend = llm.engine.runner.attention_backend
+        fam = {"attention": backend}
+        try:
+            for p, (got, _) in zip(prompts, runs["float32"]):
+                assert_greedy_match(got, *hf_greedy(hf, p, n_tokens), tol=1e-4)
+            fam["float32_vs_hf"] = "match"
+        except AssertionError as e:
+            fam["float32_vs_hf"], ok = f"MISMATCH {e}", False
+        close = True
+        for (ta, la), (tb, lb) in zip(runs["float32"], runs["bfloat16"]):
+            i = next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), None)
+            if i is not None and not (ta[i] in lb[i] and tb[i] in la[i]):
+                close = False
+        fam["bfloat16_vs_float32"] = "close" if close else "NOT CLOSE"
+        fam["bfloat16_equal_tokens"] = sum(a == b for (a, _), (b, _) in zip(runs["float32"], runs["bfloat16"]))
+        ok &= close
+        results[name] = fam
+    return dict(ok=ok, families=results)
+
+
+# ---------------------------------------------------------------------------------------------- bandwidth
+
+def bandwidth(device: str, smoke: bool) -> dict:
+    import torch
+    from pagedserve.kernels import triton_attention as ta
+    from pagedserve.model.attention import LayerKV
+    B, ctx, n_kv, G, hd, bs = (64, 4096, 8, 4, 128, 16) if not smoke else (2, 40, 2, 2, 32, 16)
+    per_seq = -(-ctx // bs)
+    nb = B * per_seq + 1
+    kv = LayerKV(torch.randn(nb, bs, n_kv, hd, device=device, dtype=torch.bfloat16),
+                 torch.randn(nb, bs, n_kv, hd, device=device, dtype=torch.bfloat16))
+    tables = (torch.randperm(nb - 1, device=device)[: B * per_seq] + 1).view(B, per_seq)
+    lens = torch.full((B,), ctx, device=device, dtype=torch.long)
+    q = torch.randn(B, n_kv * G, hd, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scale = hd ** -0.5
+
+    def attention():
+        ta.decode_attention(q, kv, tables, lens, scale, max_context=ctx, out=out)
+
+    kv_bytes = 2 * B * ctx * n_kv * hd * 2
+    copy_src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
+    copy_dst = torch.empty_like(copy_src)
+    t_attn, t_copy = _time(attention, device, 3 if smoke else 50), _time(lambda: copy_dst.copy_(copy_src), device,
+                                                                           3 if smoke else 50)
+    attn_bw, copy_bw = kv_bytes / t_attn, 2 * kv_bytes / t_copy
+    return dict(shape=dict(seqs=B, context=ctx, kv_heads=n_kv, group=G, head_dim=hd, block_size=bs),
+                kv_bytes=kv_bytes, attention_ms=round(t_attn * 1e3, 4), copy_ms=round(t_copy * 1e3, 4),
+                attention_gb_s=round(attn_bw / 1e9, 1), copy_gb_s=round(copy_bw / 1e9, 1),
+                share_of_copy=round(attn_bw / copy_bw, 3), aim=">= 0.6")
+
+
+def _time(fn, device: str, iters: int) -> float:
+    import torch
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+# ---------------------------------------------------------------------------------------------- mixed64
+
+def make_big_model(d: str, layers: int, device: str, smoke: bool) -> None:
+    import torch
+    import transformers
+    from tests.model.families import tiny_tokenizer
+    fields = LLAMA3_8B | dict(num_hidden_layers=layers)
+    if smoke:
+        fields |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=49152)
+    cfg = transformers.LlamaConfig(**fields)
+    with torch.device(device):
+        try:
+            model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        except TypeError:                   # transformers 4: torch_dtype
+            model = transformers.LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+    model.save_pretrained(d, safe_serialization=True)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(d)
+    del model
+
+
+def read_workload(smoke: bool) -> list[dict]:
+    path = os.path.join(ASSETS, "mixed64.jsonl")
+    if not os.path.exists(path):            # here: the shared generator beside the repository
+        sys.path.insert(0, os.path.join(ROOT, "..", "shared", "bench"))
+        import workload
+        reqs = workload.make("mixed64")
+    else:
+        reqs = [json.loads(line) for line in open(path)]
+    if smoke:
+        reqs = [dict(r, prompt_token_ids=r["prompt_token_ids"][:48], max_tokens=min(r["max_tokens"], 8))
+                for r in reqs[:6]]
+    return reqs
+
+
+def ours(d: str, reqs: list[dict], device: str, trace_path: str) -> dict:
+    import torch
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sim.calibrate import StepTrace
+    from pagedserve.sim.cost_model import PROFILES, RooflineCost, shape_of_engine, step_features
+    t0 = time.perf_counter()
+    eng = LLMEngine(EngineArgs(model=d, dtype="bfloat16", device=device, max_num_seqs=64,
+                               max_num_batched_tokens=2048, gpu_memory_utilization=0.85))
+    load_s = time.perf_counter() - t0
+    eng.add_request("warm-up", list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    trace, shape = StepTrace(trace_path), shape_of_engine(eng)
+    h200 = RooflineCost(shape, PROFILES["h200"])
+    steps = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                                                       ignore_eos=True))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = len(o.outputs[0].token_ids)
+        if eng.last_schedule is not None and eng.last_schedule.seqs:
+            f = step_features(shape, eng.last_schedule.seqs)
+            steps.append((eng.last_stats.step_s, h200.step_time(f),
+                          sum(1 for s in eng.last_schedule.seqs if s.is_decode),
+                          eng.last_schedule.num_prefill_tokens))
+            trace.record(eng)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(r["max_tokens"] for r in reqs)
+    ok = all(done.get(r["id"]) == r["max_tokens"] for r in reqs)
+    errs = [abs(pred / meas - 1) for meas, pred, _, _ in steps if meas > 0]
+    decode_only = [abs(pred / meas - 1) for meas, pred, dec, pre in steps if meas > 0 and not pre]
+    res = dict(load_s=round(load_s, 1), wall_s=round(wall, 2), output_tokens=out_tokens,
+               output_tok_s=round(out_tokens / wall, 1), token_counts_ok=ok, steps=len(steps),
+               attention=eng.runner.attention_backend, graphs=eng.runner.graphs_note,
+               h200_profile_median_rel_error=round(statistics.median(errs), 3) if errs else None,
+               h200_profile_decode_only_median_rel_error=round(statistics.median(decode_only), 3) if decode_only
+               else None, step_ms_p50=round(1e3 * statistics.median(s[0] for s in steps), 2) if steps else None,
+               trace=trace_path)
+    eng.shutdown()
+    del eng
+    return res
+
+
+def hf_cb(d: str, reqs: list[dict], device: str) -> dict:
+    """HF transformers' continuous batching, as ../shared/bench/hf_cb.py drives it, on the same device."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="sdpa")
+    except TypeError:                       # transformers 4: torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = model.to(device)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    page = 256
+    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=sum(math.ceil((len(r["prompt_token_ids"]) +
+                                                                             r["max_tokens"]) / page) for r in reqs) + 2,
+                                   allow_block_sharing=True, auto_switch_to_flash=False)
+    gc_ = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in reqs), eos_token_id=-1,
+                           pad_token_id=2)
+    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in reqs),
+                          max_generated_length=max(r["max_tokens"] for r in reqs), num_requests=len(reqs))
+    results = {}
+    with torch.inference_mode():
+        with model.continuous_batching_context_manager(generation_config=gc_, continuous_batching_config=cbc,
+                                                       block=True, timeout=60, warmup=True,
+                                                       workload_hints=hints) as manager:
+            t0 = time.perf_counter()
+            for r in reqs:
+                manager.add_request(r["prompt_token_ids"], request_id=r["id"], max_new_tokens=r["max_tokens"],
+                                    eos_token_id=-1)
+            while len(results) < len(reqs):
+                out = manager.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    results[out.request_id] = out
+                elif out is None and not manager.is_running():
+                    break
+            wall = time.perf_counter() - t0
+    out_tokens = sum(r["max_tokens"] for r in reqs)
+    ok = all(r["id"] in results and len(results[r["id"]].generated_tokens) == r["max_tokens"] for r in reqs)
+    del model
+    return dict(load_s=round(load_s, 1), wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
+                token_counts_ok=ok, attn=str(getattr(cbc, "attn_implementation", "sdpa")))
+
+
+def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool) -> dict:
+    sys.path.insert(0, ROOT)
+    d = os.path.join(workdir, "llama3-8b-shaped")
+    t0 = time.perf_counter()
+    make_big_model(d, layers, device, smoke)
+    made_s = time.perf_counter() - t0
+    reqs = read_workload(smoke)
+    a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"))
+    gc.collect()
+    try:
+        b = hf_cb(d, reqs, device)
+    except Exception as e:
+        b = dict(error=f"{type(e).__name__}: {e}")
+    ratio = a["output_tok_s"] / b["output_tok_s"] if b.get("output_tok_s") else None
+    return dict(ok=a["token_counts_ok"] and b.get("token_counts_ok", False), model_layers=layers,
+                model_write_s=round(made_s, 1), requests=len(reqs), pagedserve=a, hf_cb=b,
+                ratio=round(ratio, 2) if ratio else None, aim=">= 3x HF continuous batching")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check"))
+    ap.add_argument("--layers", type=int, default=32, help="the Llama-3-8B-shaped model's layers (8B: 32)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: the script itself checked")
+    ap.add_argument("--sections", default="env,unit,reference,bandwidth,mixed64")
+    ns = ap.parse_args()
+    if ns.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    report = Report(ns.out)
+    device = "cpu" if ns.cpu_smoke else "cuda"
+    wanted = ns.sections.split(",")
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
+        t0 = time.perf_counter()
+        if "env" in wanted:
+            section(report, "env", env, os.path.join(work, "site"), device)
+        if "unit" in wanted:
+            section(report, "unit", unit, ns.cpu_smoke)
+        if "reference" in wanted:
+            section(report, "reference", reference, device, work)
+        if "bandwidth" in wanted:
+            section(report, "bandwidth", bandwidth, device, ns.cpu_smoke)
+        if "mixed64" in wanted:
+            section(report, "mixed64", mixed64, device, work, ns.out, 2 if ns.cpu_smoke else ns.layers,
+                    ns.cpu_smoke)
+        report("done", seconds=round(time.perf_counter() - t0, 1))
+
+
+if __name__ == "__main__":
+    main()
