@@ -45,6 +45,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineCore:
     def __init__(self, args: EngineArgs):
         self.args = args
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device cuda: no CUDA device is visible (torch {torch.__version__}"
+                             f"{', built without CUDA' if torch.version.cuda is None else ''})")
         log.info("malloc: %s", fix_malloc_thresholds())
         log.info("OpenMP idle threads: %s", openmp_wait())
         if args.num_threads:

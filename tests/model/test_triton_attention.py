@@ -203,10 +203,13 @@ def test_engine_on_the_triton_path_gives_the_torch_paths_tokens(folders, name):
         assert_greedy_match(got, ref, ref_lp, tol=1e-4)
 
 
-def test_attention_backend_is_checked():
+def test_attention_backend_and_device_are_checked(folders):
     from pagedserve.config import EngineArgs
     with pytest.raises(ValueError, match="attention_backend"):
         EngineArgs(attention_backend="flash").validate()
+    if DEVICE == "cpu":        # a CUDA device asked for where none is: the parameter named, not torch's assert
+        with pytest.raises(ValueError, match="device cuda: no CUDA device is visible"):
+            LLM(folders["llama"][0], device="cuda")
 
 
 def test_graph_sizes_are_powers_of_two_then_max_num_seqs():
