@@ -100,6 +100,8 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softc
             srow = blk * stride_sb + (pos % BS) * stride_st + h * stride_sh
             k = (k.to(tl.float32) * tl.load(KS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * tl.load(VS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
+        else:                                           # a bfloat16 cache under float32 queries
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if UPCAST:                                      # the interpreter's dot misreads bfloat16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # no TF32 for float32; half types ignore it
@@ -178,6 +180,8 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, CU, LENS, OUT, scale, window, softcap,
             srow = blk * stride_sb + (pos % BS) * stride_st + h * stride_sh
             k = (k.to(tl.float32) * tl.load(KS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * tl.load(VS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
+        else:                                           # a bfloat16 cache under float32 queries
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if UPCAST:                                      # the interpreter's dot misreads bfloat16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # no TF32 for float32; half types ignore it
