@@ -111,11 +111,11 @@ def env(target: str, device: str) -> dict:
 # ---------------------------------------------------------------------------------------------- unit
 
 def unit(smoke: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-o", "addopts=",
            "tests/model/test_triton_attention.py"]
     envv = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run(cmd, cwd=ROOT, env=envv, capture_output=True, text=True, timeout=300 if not smoke else 600)
-    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    tail = (r.stdout + r.stderr).strip().splitlines()[-40:]
     return dict(ok=r.returncode == 0, rc=r.returncode, summary=tail[-1] if tail else "", tail=tail)
 
 
