@@ -121,15 +121,14 @@ class EngineCore:
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
-        graphs = None if args.enforce_eager or args.device != "cuda" or args.enable_lora \
-            else (args.max_num_seqs, self.max_model_len)
+        graphs_off = "not on CUDA" if args.device != "cuda" else "enforce_eager" if args.enforce_eager \
+            else "LoRA adapters" if args.enable_lora else None
+        graphs = None if graphs_off else (args.max_num_seqs, self.max_model_len)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
                                                                       kv_dtype, args.seed, layout,
                                                                       args.attention_backend, graphs))
-        log.info("attention: %s (--attention-backend %s); CUDA graphs: %s",
-                 getattr(self.runner, "attention_backend", "?"), args.attention_backend,
-                 "off (not on CUDA)" if args.device != "cuda" else "off (enforce_eager)" if args.enforce_eager
-                 else "off (LoRA)" if args.enable_lora else getattr(self.runner, "graphs_note", "?"))
+        log.info("attention: %s (--attention-backend %s); CUDA graphs: %s", self.runner.attention_backend,
+                 args.attention_backend, f"off ({graphs_off})" if graphs_off else self.runner.graphs_note)
         if draft is not None:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (

@@ -29,18 +29,17 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def why_not(model, runner, lora: bool) -> str | None:
-    """Why decode steps cannot be captured for this runner, or None."""
+def why_not(model, runner) -> str | None:
+    """Why decode steps cannot be captured for this runner, or None. (LoRA steps never replay a graph:
+    the runner passes them to the model.)"""
     if runner.device.type != "cuda":
-        return "not on CUDA"
+        return "off (not on CUDA)"
     if not runner.use_triton:
-        return "the attention path is not Triton's"
+        return "off (the attention path is not Triton's)"
     if runner.layout.num_groups != 1:
-        return "layers read different block tables (KV groups)"
-    if lora:
-        return "LoRA adapters"
+        return "off (layers read different block tables: KV groups)"
     if model.cfg.is_moe:
-        return "MoE routing reads expert counts back"
+        return "off (MoE routing reads expert counts back)"
     return None
 
 

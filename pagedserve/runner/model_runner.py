@@ -76,10 +76,10 @@ class ModelRunner:
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
         self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
         self.graphs: DecodeGraphs | None = None       # decode steps replayed from CUDA graphs
-        self.graphs_note = "off" if decode_graphs is None else cuda_graphs.why_not(model, self, False)
-        if decode_graphs is not None and self.graphs_note is None:
+        why_not = "off" if decode_graphs is None else cuda_graphs.why_not(model, self)
+        if why_not is None:
             self.graphs = DecodeGraphs(model, self.kv_caches, *decode_graphs, block_size, self.device)
-            self.graphs_note = f"decode batch sizes {self.graphs.sizes}"
+        self.graphs_note = f"decode batch sizes {self.graphs.sizes}" if self.graphs else why_not
 
     def _attention_backend(self, want: str) -> str:
         """native (the C kernels: CPU), triton (CUDA; on the CPU Triton's interpreter, for tests) or torch;
@@ -102,8 +102,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------ LoRA adapters
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
-        if self.graphs is not None:
-            self.graphs, self.graphs_note = None, "off (LoRA adapters)"
         self.lora = LoRASlots(self.model.cfg, max_loras, max_rank, self.dtype, self.device)
 
     def add_lora(self, lora_id: int, weights: LoRAWeights) -> None:
