@@ -61,12 +61,19 @@ def run_ours(folder: str, reqs: list[dict], dtype: str) -> dict:
     return _result("pagedserve", reqs, wall, all(got.get(r["id"]) == r["max_tokens"] for r in reqs))
 
 
-def run_hf(folder: str, reqs: list[dict], dtype: str) -> dict:
+def run_hf(folder: str, reqs: list[dict], dtype: str, device: str = "cpu") -> dict:
+    """HF transformers' continuous batching on the same requests (bench/gpu_check.py runs it on a GPU)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    if device == "cpu":
+        torch.set_num_threads(2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    except TypeError:                       # transformers 4 (a GPU image's): torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=getattr(torch, dtype),
+                                                     attn_implementation="sdpa")
+    model = model.to(device).eval()
     pages = sum(-(-(len(r["prompt_token_ids"]) + r["max_tokens"]) // 256) for r in reqs) + 2
     cbc = ContinuousBatchingConfig(page_size=256, num_blocks=pages, auto_switch_to_flash=False)
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in reqs), eos_token_id=-1,

@@ -297,53 +297,6 @@ def ours(d: str, reqs: list[dict], device: str, trace_path: str) -> dict:
     return res
 
 
-def hf_cb(d: str, reqs: list[dict], device: str) -> dict:
-    """HF transformers' continuous batching, as ../shared/bench/hf_cb.py drives it, on the same device."""
-    import math
-
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-    t0 = time.perf_counter()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="sdpa")
-    except TypeError:                       # transformers 4: torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    model = model.to(device)
-    model.eval()
-    load_s = time.perf_counter() - t0
-    page = 256
-    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=sum(math.ceil((len(r["prompt_token_ids"]) +
-                                                                             r["max_tokens"]) / page) for r in reqs) + 2,
-                                   allow_block_sharing=True, auto_switch_to_flash=False)
-    gc_ = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in reqs), eos_token_id=-1,
-                           pad_token_id=2)
-    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in reqs),
-                          max_generated_length=max(r["max_tokens"] for r in reqs), num_requests=len(reqs))
-    results = {}
-    with torch.inference_mode():
-        with model.continuous_batching_context_manager(generation_config=gc_, continuous_batching_config=cbc,
-                                                       block=True, timeout=60, warmup=True,
-                                                       workload_hints=hints) as manager:
-            t0 = time.perf_counter()
-            for r in reqs:
-                manager.add_request(r["prompt_token_ids"], request_id=r["id"], max_new_tokens=r["max_tokens"],
-                                    eos_token_id=-1)
-            while len(results) < len(reqs):
-                out = manager.get_result(timeout=1)
-                if out is not None and out.is_finished():
-                    results[out.request_id] = out
-                elif out is None and not manager.is_running():
-                    break
-            wall = time.perf_counter() - t0
-    out_tokens = sum(r["max_tokens"] for r in reqs)
-    ok = all(r["id"] in results and len(results[r["id"]].generated_tokens) == r["max_tokens"] for r in reqs)
-    del model
-    return dict(load_s=round(load_s, 1), wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
-                token_counts_ok=ok, attn=str(getattr(cbc, "attn_implementation", "sdpa")))
-
-
 def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool) -> dict:
     sys.path.insert(0, ROOT)
     d = os.path.join(workdir, "llama3-8b-shaped")
@@ -354,7 +307,8 @@ def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool) -> di
     a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"))
     gc.collect()
     try:
-        b = hf_cb(d, reqs, device)
+        from bench.families_bench import run_hf          # HF transformers' continuous batching, as there
+        b = run_hf(d, reqs, "bfloat16", device)
     except Exception as e:
         b = dict(error=f"{type(e).__name__}: {e}")
     ratio = a["output_tok_s"] / b["output_tok_s"] if b.get("output_tok_s") else None

@@ -67,6 +67,48 @@ def _write_kv_kernel(X, C, S, SLOT, stride_xt, stride_xh, stride_cs, stride_ch, 
         tl.store(dst, x.to(C.dtype.element_ty), mask=md)
 
 
+@triton.jit
+def _tile(q, K, V, KS, VS, BT_ROW, pos, mn, h, d, md, scale, softcap, stride_kb, stride_kt, stride_kh,
+          stride_sb, stride_st, stride_sh, BS: tl.constexpr, INT8: tl.constexpr, SOFTCAP: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """The keys at positions `pos` (valid where `mn`) of kv head h, found through the block table row BT_ROW:
+    the scores q @ K^T x scale (soft-capped: cap x tanh(s / cap)) and the V rows, in q's type (int8 rows
+    dequantized with their scales; a bfloat16 cache under float32 queries widened)."""
+    blk = tl.load(BT_ROW + pos // BS, mask=mn, other=0).to(tl.int64)
+    row = blk * stride_kb + (pos % BS) * stride_kt + h * stride_kh
+    kv_mask = mn[:, None] & md[None, :]
+    k = tl.load(K + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if INT8:
+        srow = blk * stride_sb + (pos % BS) * stride_st + h * stride_sh
+        k = (k.to(tl.float32) * tl.load(KS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * tl.load(VS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
+    else:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if UPCAST:                                          # the interpreter's dot misreads bfloat16
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        v = v.to(tl.float32)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # no TF32 for float32; half types ignore it
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s, v
+
+
+@triton.jit
+def _online_softmax(m_i, l_i, acc, s, v, P_DTYPE: tl.constexpr):
+    """One tile into the running max, sum and output of each row (masked scores are -inf; a row with
+    nothing visible yet keeps m = -inf and adds nothing). P is rounded to q's type before P @ V."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE).to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
 def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softcap,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
                    stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -91,31 +133,9 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softc
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mn = pos < end
-        blk = tl.load(BT + t * stride_bt + pos // BS, mask=mn, other=0).to(tl.int64)
-        row = blk * stride_kb + (pos % BS) * stride_kt + h * stride_kh
-        kv_mask = mn[:, None] & md[None, :]
-        k = tl.load(K + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if INT8:
-            srow = blk * stride_sb + (pos % BS) * stride_st + h * stride_sh
-            k = (k.to(tl.float32) * tl.load(KS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(VS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
-        else:                                           # a bfloat16 cache under float32 queries
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if UPCAST:                                      # the interpreter's dot misreads bfloat16
-            q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # no TF32 for float32; half types ignore it
-        s = s * scale
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))       # cap * tanh(s / cap)
-        s = tl.where(mn[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE).to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        sc, v = _tile(q, K, V, KS, VS, BT + t * stride_bt, pos, mn, h, d, md, scale, softcap, stride_kb, stride_kt,
+                      stride_kh, stride_sb, stride_st, stride_sh, BS, INT8, SOFTCAP, UPCAST)
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, tl.where(mn[None, :], sc, float("-inf")), v, P_DTYPE)
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
@@ -171,33 +191,10 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, CU, LENS, OUT, scale, window, softcap,
     for n0 in range(lo, last + 1, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mn = pos <= last
-        blk = tl.load(BT + c * stride_bt + pos // BS, mask=mn, other=0).to(tl.int64)
-        row = blk * stride_kb + (pos % BS) * stride_kt + h * stride_kh
-        kv_mask = mn[:, None] & md[None, :]
-        k = tl.load(K + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if INT8:
-            srow = blk * stride_sb + (pos % BS) * stride_st + h * stride_sh
-            k = (k.to(tl.float32) * tl.load(KS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(VS + srow, mask=mn, other=0.0)[:, None]).to(q.dtype)
-        else:                                           # a bfloat16 cache under float32 queries
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if UPCAST:                                      # the interpreter's dot misreads bfloat16
-            q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # no TF32 for float32; half types ignore it
-        s = s * scale
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-        see = valid[:, None] & mn[None, :] & (pos[None, :] <= qpos[:, None])
-        see = see & (pos[None, :] > qpos[:, None] - window)
-        s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE).to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        sc, v = _tile(q, K, V, KS, VS, BT + c * stride_bt, pos, mn, h, d, md, scale, softcap, stride_kb, stride_kt,
+                      stride_kh, stride_sb, stride_st, stride_sh, BS, INT8, SOFTCAP, UPCAST)
+        see = valid[:, None] & mn[None, :] & (pos[None, :] <= qpos[:, None]) & (pos[None, :] > qpos[:, None] - window)
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, tl.where(see, sc, float("-inf")), v, P_DTYPE)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(OUT + (q0 + tok)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :],
              o.to(OUT.dtype.element_ty), mask=valid[:, None] & md[None, :])
