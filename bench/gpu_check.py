@@ -189,10 +189,19 @@ def bandwidth(device: str, smoke: bool) -> dict:
     t_attn, t_copy = _time(attention, device, 3 if smoke else 50), _time(lambda: copy_dst.copy_(copy_src), device,
                                                                            3 if smoke else 50)
     attn_bw, copy_bw = kv_bytes / t_attn, 2 * kv_bytes / t_copy
+    # prefill, for tuning (no aim): the first 8 sequences' last `chunk` positions as chunks, causal over ctx
+    P, chunk = (8, 512) if not smoke else (2, 8)
+    cu = torch.arange(P + 1, device=device) * chunk
+    qp = torch.randn(P * chunk, n_kv * G, hd, device=device, dtype=torch.bfloat16)
+    t_pre = _time(lambda: ta.prefill_attention(qp, kv, tables[:P], cu, lens[:P], scale, max_q=chunk), device,
+                  3 if smoke else 20)
+    flops = 4 * hd * n_kv * G * P * sum(ctx - chunk + i + 1 for i in range(chunk))     # QK^T and PV, causal
     return dict(shape=dict(seqs=B, context=ctx, kv_heads=n_kv, group=G, head_dim=hd, block_size=bs),
                 kv_bytes=kv_bytes, attention_ms=round(t_attn * 1e3, 4), copy_ms=round(t_copy * 1e3, 4),
                 attention_gb_s=round(attn_bw / 1e9, 1), copy_gb_s=round(copy_bw / 1e9, 1),
-                share_of_copy=round(attn_bw / copy_bw, 3), aim=">= 0.6")
+                share_of_copy=round(attn_bw / copy_bw, 3), aim=">= 0.6",
+                prefill=dict(chunks=P, chunk=chunk, context=ctx, ms=round(t_pre * 1e3, 3),
+                             tflop_s=round(flops / t_pre / 1e12, 2)))
 
 
 def _time(fn, device: str, iters: int) -> float:
