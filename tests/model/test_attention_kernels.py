@@ -78,6 +78,30 @@ def test_decode_kernel_matches_reference(level, dt, shape):
         assert (got[i] - ref).abs().max().item() < 2e-5, f"sequence {i} (context {n})"
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [(16, 1500), (5, 2100), (1, 1030), (16, 3000), (33, 1100)], ids=str)
+def test_a_lone_short_chunk_after_a_long_prefix_splits_its_keys(level, dt, chunk):
+    """A chunk of one tile (<= 16 queries) has its prefix keys cut into ranges of >= 512 (one item per kv head
+    would leave threads idle), merged by their (max, sum): the reference's output; and the same bits when the
+    chunk shares its step with another (the cut follows from the chunk's own shape only)."""
+    lib = kernels.load(level)
+    nh, nkv, hd, bs = SHAPES[0]
+    a, n = chunk
+    g = torch.Generator().manual_seed(zlib.crc32(f"split {level} {dt} {chunk}".encode()))
+    nb = -(-n // bs) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables([n], bs, nb, g)
+    q = torch.randn(a, nh, hd, generator=g)
+    got = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt,
+                                          torch.tensor([0, a]), torch.tensor([n]), 0.2, lib=lib)
+    assert (got - _reference(q, layer, bt[0], n, 0.2)).abs().max().item() < 2e-5
+    q2 = torch.cat([q, torch.randn(40, nh, hd, generator=g)])
+    both = kernels.paged_prefill_attention(q2, layer.k, layer.v, layer.k_scale, layer.v_scale, torch.cat([bt, bt]),
+                                           torch.tensor([0, a, a + 40]), torch.tensor([n, n]), 0.2, lib=lib)
+    assert torch.equal(both[:a], got)
+
+
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_a_decode_rows_result_does_not_depend_on_the_rest_of_the_batch(dt):
     """Bit for bit: a row computed alone, or beside other rows (a speculative verification's rows of one
