@@ -100,8 +100,8 @@ def main():
     if a.child:
         print("RESULT " + json.dumps(offline(a.requests, a.seed)))
         return
-    from pagedserve.host import cpu_info
-    print(f"host: {cpu_info()[0]}; {os.cpu_count()} cores")
+    from pagedserve.host import describe
+    print(f"host: {describe()}")
     rounds = []
     for r in range(a.rounds):
         p = subprocess.run([sys.executable, __file__, "--child", "--requests", str(a.requests), "--seed", str(a.seed)],

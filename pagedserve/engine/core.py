@@ -295,7 +295,7 @@ class EngineCore:
             how = (f"gpu_memory_utilization {a.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
                    f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
         else:
-            free = _free_memory_bytes(a.device)
+            free = available_memory_bytes()
             budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
             how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
         blocks = budget // per_block
@@ -476,12 +476,6 @@ class EngineCore:
             num_preemptions=len(so.preempted), num_admitted=so.num_admitted, num_draft_tokens=so.num_draft_tokens,
             step_s=step_s, forward_s=ro.forward_s,
             prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s)
-
-
-def _free_memory_bytes(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    return available_memory_bytes()
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float, workspace: int) -> int:

@@ -563,7 +563,7 @@ static void merge_prefill(const pitem_t *items, int n_items, const float *parts,
         int n_items;                                                                                        \
         pitem_t *items = plan_prefill(cu_q, context_lens, num_seqs, n_kv, window, &n_items);               \
         const int64_t per = (int64_t)(n_heads / n_kv) * QT * (hd + 2);                                    \
-        float *parts = n_items > 0 && items[0].splits > 1 ? malloc(sizeof(float) * per * n_items) : NULL;   \
+        float *parts = NULL;                    /* split items' (output, max, sum): only when there are some */ \
         for (int i = 0; i < n_items && !parts; i++)                                                         \
             if (items[i].splits > 1) parts = malloc(sizeof(float) * per * n_items);                         \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(THREADS)")                               \

@@ -545,8 +545,10 @@ Q8_M(W_Q6_K)
  * I8x8 (our per-channel int8): the group starts with the 8 rows' float32 scales (32 bytes), then per
  * 32-block the 8 chunks of weights + 128 as Q8_0's, without per-block scales (d = 1; the row scale is
  * applied once at the end). */
+/* the file format an 8-row layout came from */
 INLINE int x8_base(int fmt) {
-    return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : fmt == W_Q8_0X8 ? W_Q8_0 : W_I8;
+    return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : fmt == W_Q8_0X8 ? W_Q8_0
+         : fmt == W_Q4_KX8 ? W_Q4_K : fmt == W_Q6_KX8 ? W_Q6_K : W_I8;
 }
 INLINE int x8_header(int fmt) { return fmt == W_Q4_1X8 ? 32 : fmt == W_I8X8 ? 0 : 16; }
 INLINE float x8_m_per_d(int fmt) { return fmt == W_Q4_0X8 ? -8.0f : -128.0f; }   /* Q4_1 has its own m */
@@ -895,6 +897,13 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
 
 BY_M(W_Q6_KX8, q6kx8_rows)
 
+/* row r of any 8-row layout back in its file layout (x8_base(fmt)) */
+static void grouped_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int K, uint8_t *row) {
+    if (fmt == W_Q4_KX8) q4kx8_unpack_row(w, rb, r, K, row);
+    else if (fmt == W_Q6_KX8) q6kx8_unpack_row(w, rb, r, K, row);
+    else x8_unpack_row(fmt, w, rb, r, K, row);
+}
+
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
                            q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8,
@@ -944,12 +953,7 @@ void qdequant(const uint8_t *w, int fmt, int K, int64_t row_bytes, const int64_t
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int i = 0; i < n; i++) {
         uint8_t row[row_bytes];
-        if (fmt == W_Q4_KX8 || fmt == W_Q6_KX8) {
-            (fmt == W_Q4_KX8 ? q4kx8_unpack_row : q6kx8_unpack_row)(w, row_bytes, rows ? rows[i] : i, K, row);
-            deq_row(fmt == W_Q4_KX8 ? W_Q4_K : W_Q6_K, row, K, out, (int64_t)i * K, bf16);
-            continue;
-        }
-        x8_unpack_row(fmt, w, row_bytes, rows ? rows[i] : i, K, row);
+        grouped_unpack_row(fmt, w, row_bytes, rows ? rows[i] : i, K, row);
         deq_row(x8_base(fmt), row, K, out, (int64_t)i * K, bf16);
     }
 }

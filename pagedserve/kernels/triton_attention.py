@@ -43,6 +43,7 @@ def _next_pow2(n: int, least: int = 16) -> int:
 
 # ---------------------------------------------------------------------------------------------- kernels
 
+@triton.jit
 def _write_kv_kernel(X, C, S, SLOT, stride_xt, stride_xh, stride_cs, stride_ch, stride_ss, stride_sh,
                      HD: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr):
     t = tl.program_id(0)
@@ -109,6 +110,7 @@ def _online_softmax(m_i, l_i, acc, s, v, P_DTYPE: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
 def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softcap,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
                    stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -145,6 +147,7 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softc
     tl.store(MID_L + t * stride_lt + heads * stride_lh + sp, lse, mask=mg)
 
 
+@triton.jit
 def _merge_kernel(MID_O, MID_L, OUT, num_splits, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   stride_t, stride_h, HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
@@ -161,6 +164,7 @@ def _merge_kernel(MID_O, MID_L, OUT, num_splits, stride_ot, stride_oh, stride_os
     tl.store(OUT + t * stride_t + h * stride_h + d, o.to(OUT.dtype.element_ty), mask=md)
 
 
+@triton.jit
 def _prefill_kernel(Q, K, V, KS, VS, BT, CU, LENS, OUT, scale, window, softcap,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
                     stride_bt, stride_ot, stride_oh,
@@ -201,15 +205,13 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, CU, LENS, OUT, scale, window, softcap,
 
 
 INTERPRETED = bool(knobs.runtime.interpret)     # the kernels run in the interpreter (CPU tensors)
-_KERNELS = {name: triton.jit(fn) for name, fn in (("write_kv", _write_kv_kernel), ("decode", _decode_kernel),
-                                                  ("merge", _merge_kernel), ("prefill", _prefill_kernel))}
 
 
-def _launch(name: str, like: torch.Tensor, grid, *args, **meta) -> None:
+def _launch(kernel, like: torch.Tensor, grid, *args, **meta) -> None:
     if (like.device.type == "cpu") != INTERPRETED:
         raise RuntimeError(f"Triton attention on a {like.device.type} tensor needs TRITON_INTERPRET="
                            f"{int(like.device.type == 'cpu')} before triton is first imported")
-    _KERNELS[name][grid](*args, **meta)
+    kernel[grid](*args, **meta)
 
 
 def _dot_dtypes(q: torch.Tensor) -> dict:
@@ -237,7 +239,7 @@ def write_kv(kv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -
         x = x if x.stride(-1) == 1 else x.contiguous()
         flat = cache.view(-1, n_kv, hd)
         s = scales.view(-1, n_kv) if int8 else flat          # unused without int8
-        _launch("write_kv", x, (T, n_kv), x, flat, s, slot_mapping, x.stride(0), x.stride(1), flat.stride(0),
+        _launch(_write_kv_kernel, x, (T, n_kv), x, flat, s, slot_mapping, x.stride(0), x.stride(1), flat.stride(0),
                 flat.stride(1), s.stride(0), s.stride(1), HD=hd, BLOCK_D=_next_pow2(hd, 1), INT8=int8)
 
 
@@ -260,12 +262,12 @@ def decode_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, context_le
     mid_l = torch.empty((D, nh, splits), dtype=torch.float32, device=q.device)
     ks, vs = (kv.k_scale, kv.v_scale) if kv.k_scale is not None else (kv.k, kv.v)
     bd = _next_pow2(hd)
-    _launch("decode", q, (D, n_kv, splits), q, kv.k, kv.v, ks, vs, block_tables, context_lens, mid_o, mid_l,
+    _launch(_decode_kernel, q, (D, n_kv, splits), q, kv.k, kv.v, ks, vs, block_tables, context_lens, mid_o, mid_l,
             scale, window or FULL, softcap or 0.0, q.stride(0), q.stride(1), *kv.k.stride()[:3],
             *_scale_strides(kv), block_tables.stride(0), *mid_o.stride()[:3], *mid_l.stride()[:2],
             BS=bs, G=G, HD=hd, BLOCK_G=_next_pow2(G), BLOCK_D=bd, BLOCK_N=64 if bd <= 128 else 32,
             SPLIT=SPLIT_TOKENS, INT8=kv.k.dtype == torch.int8, SOFTCAP=bool(softcap), **_dot_dtypes(q))
-    _launch("merge", q, (D, nh), mid_o, mid_l, out, splits, *mid_o.stride()[:3], *mid_l.stride()[:2],
+    _launch(_merge_kernel, q, (D, nh), mid_o, mid_l, out, splits, *mid_o.stride()[:3], *mid_l.stride()[:2],
             out.stride(0), out.stride(1), HD=hd, BLOCK_S=_next_pow2(splits, 1), BLOCK_D=bd)
     return out
 
@@ -289,7 +291,7 @@ def prefill_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, cu_q: tor
     block_q = max(1, 64 // bg) if q.device.type != "cpu" else max(1, 16 // bg)
     ks, vs = (kv.k_scale, kv.v_scale) if kv.k_scale is not None else (kv.k, kv.v)
     bd = _next_pow2(hd)
-    _launch("prefill", q, (P, n_kv, triton.cdiv(max_q, block_q)), q, kv.k, kv.v, ks, vs, block_tables, cu_q,
+    _launch(_prefill_kernel, q, (P, n_kv, triton.cdiv(max_q, block_q)), q, kv.k, kv.v, ks, vs, block_tables, cu_q,
             context_lens, out, scale, window or FULL, softcap or 0.0, q.stride(0), q.stride(1), *kv.k.stride()[:3],
             *_scale_strides(kv), block_tables.stride(0), out.stride(0), out.stride(1),
             BS=bs, G=G, HD=hd, BLOCK_G=bg, BLOCK_Q=block_q, BLOCK_D=bd, BLOCK_N=64 if bd <= 128 else 32,

@@ -84,10 +84,9 @@ class RopeTable:
                  max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """max_position: a bound on `positions` known to the caller (a CUDA graph's capture may not read
         the device's tensors back)."""
-        if max_position is not None:
-            n = max_position + 1
-        else:
-            n = int(positions.max()) + 1 if positions.numel() else 0
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else -1
+        n = max_position + 1
         key = (dtype, str(device))
         t = self._tables.get(key)
         if t is None or n > t[0].shape[0]:

@@ -201,12 +201,14 @@ class ModelRunner:
         dec_t = torch.tensor(dec_lens, dtype=torch.long) if dec_lens else None
         cu_t, pre_t = (torch.tensor(cu_q, dtype=torch.long), torch.tensor(pre_lens, dtype=torch.long)) if pre_lens \
             else (None, None)
+        # Triton's grids are sized on the host (no read-back of the device's tensors): the step's maxima
+        maxima = dict(max_decode_context=max(dec_lens, default=0),
+                      max_prefill_q=max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)) if self.use_triton else {}
         mds = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.long), len(dec_lens),
                                  _padded(dec_tables[g]) if dec_lens else None, dec_t,
                                  _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
                                  native=self.use_native, native_prefill=self.native_prefill, triton=self.use_triton,
-                                 max_decode_context=max(dec_lens, default=0),
-                                 max_prefill_q=max(b - a for a, b in zip(cu_q, cu_q[1:])) if pre_lens else 0)
+                                 **maxima)
                for g in range(G)]
         md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
         lora = self.lora.batch(row_loras, len(dec_lens)) if self.lora is not None else None
