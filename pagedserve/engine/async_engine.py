@@ -97,29 +97,6 @@ def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 
 @dataclass(slots=True)
-class _Submit:
-    out: RequestStream
-    prompt: object
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    accepted: asyncio.Future
-    stream: bool
-    traffic_class: str | None = None
-    lora_request: LoRARequest | None = None
-
-    def resolve(self, error: BaseException | None) -> None:
-        def set_result(f: asyncio.Future = self.accepted):
-            if f.done():
-                return
-            if error is not None:
-                f.set_exception(error)
-            else:
-                f.set_result(None)
-        self.out.loop.call_soon_threadsafe(set_result)
-
-
-@dataclass(slots=True)
 class _Call:
     """A function for the engine thread whose result an asyncio caller awaits."""
     fn: Callable[[], object]
@@ -149,7 +126,7 @@ class AsyncLLMEngine:
         self.on_step: Callable | None = None      # (engine, outputs), in the engine thread (metrics)
         self.on_dead: Callable | None = None      # (EngineDeadError), in the engine thread, once
         self.on_stepped: Callable | None = None   # (engine), after each step (the step trace)
-        self._inbox: queue.Queue[_Submit | Callable[[], None]] = queue.Queue()
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._lock = threading.Lock()             # orders submissions against the engine's death
         self._deadlines: list[tuple[float, str]] = []     # heap over engine.states, engine thread only
         self._wake = threading.Event()
@@ -165,17 +142,17 @@ class AsyncLLMEngine:
         """Submit a request; raises what engine.add_request raises (ParamError, QueueFullError) or
         EngineDeadError. Iterate the returned stream for its outputs: deltas after every step when
         `stream`, else one full output at the end."""
-        loop = asyncio.get_running_loop()
-        rs = RequestStream(self, request_id, loop, coalesce=stream)
-        sub = _Submit(rs, prompt, params, priority, time.monotonic(), loop.create_future(), stream, traffic_class,
-                      lora_request)
-        with self._lock:
-            if self.dead is not None:
-                raise self.dead
-            self._inbox.put(sub)
-        self._wake.set()
+        rs = RequestStream(self, request_id, asyncio.get_running_loop(), coalesce=stream)
+        arrival = time.monotonic()
+
+        def add() -> None:               # in the engine thread; an exception reaches the caller, nothing changed
+            self.engine.add_request(request_id, prompt, params, priority=priority, stream=stream,
+                                    arrival_time=arrival, traffic_class=traffic_class, lora_request=lora_request,
+                                    sink=rs)
+            if self.request_timeout_s is not None:
+                self._push_deadline(arrival + self.request_timeout_s, request_id)
         try:
-            await sub.accepted
+            await self.call(add)
         except asyncio.CancelledError:     # the client left while the request was being added
             self.abort(request_id)
             raise
@@ -243,20 +220,7 @@ class AsyncLLMEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if callable(item):
-                item()
-                continue
-            try:
-                self.engine.add_request(item.out.request_id, item.prompt, item.params, priority=item.priority,
-                                        stream=item.stream, arrival_time=item.arrival_time,
-                                        traffic_class=item.traffic_class, lora_request=item.lora_request,
-                                        sink=item.out)
-            except Exception as e:      # reported to the caller; the engine changed nothing
-                item.resolve(e)
-                continue
-            if self.request_timeout_s is not None:
-                self._push_deadline(item.arrival_time + self.request_timeout_s, item.out.request_id)
-            item.resolve(None)
+            item()
 
     def _push_deadline(self, deadline: float, request_id: str) -> None:
         """A finished request's deadline stays in the heap until it passes (expiring it is a no-op);
@@ -316,7 +280,7 @@ class AsyncLLMEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, (_Submit, _Call)):
+            if isinstance(item, _Call):
                 item.resolve(err)
         for st in list(self.engine.states.values()):
             if st.sink is not None:

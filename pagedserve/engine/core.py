@@ -275,32 +275,27 @@ class EngineCore:
         return act * (torch.finfo(dtype).bits // 8) + logits + gather * (torch.finfo(dtype).bits // 8)
 
     def _size_kv_pool(self, kv_dtype: torch.dtype) -> int:
-        a = self.args
-        per_block = self.kv_block_bytes
-        kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head"
-                                                  if kv_scale_bytes(kv_dtype) else "")
+        a, per_block = self.args, self.kv_block_bytes
         if a.num_kv_blocks is not None:
-            log.info("memory plan: weights %.2f GiB (%s) | %s | KV pool %.2f GiB = num_kv_blocks %d x %d tokens at %d "
-                     "bytes/token", self.weights_bytes / GiB, self.model.weights_desc, kv,
-                     a.num_kv_blocks * per_block / GiB, a.num_kv_blocks,
-                     a.block_size, per_block // a.block_size)
-            return a.num_kv_blocks
-        if a.kv_cache_memory is not None:
-            budget = parse_bytes(a.kv_cache_memory, "kv_cache_memory")
-            how = "kv_cache_memory"
-        elif a.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            ranks = self.executor.tp.size       # each rank holds its share of the KV heads on its own GPU
-            budget = gpu_kv_budget(free, total, a.gpu_memory_utilization, self.workspace_bytes) * ranks
-            how = (f"gpu_memory_utilization {a.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
-                   f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
+            blocks, how = a.num_kv_blocks, "num_kv_blocks"
         else:
-            free = available_memory_bytes()
-            budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
-            how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
-        blocks = budget // per_block
-        if blocks < 2:
-            raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+            if a.kv_cache_memory is not None:
+                budget, how = parse_bytes(a.kv_cache_memory, "kv_cache_memory"), "kv_cache_memory"
+            elif a.device == "cuda":
+                free, total = torch.cuda.mem_get_info()
+                ranks = self.executor.tp.size       # each rank holds its share of the KV heads on its own GPU
+                budget = gpu_kv_budget(free, total, a.gpu_memory_utilization, self.workspace_bytes) * ranks
+                how = (f"gpu_memory_utilization {a.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
+                       f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
+            else:
+                free = available_memory_bytes()
+                budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
+                how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
+            blocks = budget // per_block
+            if blocks < 2:
+                raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head" if kv_scale_bytes(kv_dtype)
+                                                  else "")
         log.info("memory plan: weights %.2f GiB (%s) | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
                  "attention scratch) | %s | KV pool %.2f GiB (%s) = %d blocks x %d tokens = %d tokens at %d bytes/token",
                  self.weights_bytes / GiB, self.model.weights_desc, self.workspace_bytes / GiB,

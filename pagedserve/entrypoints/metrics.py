@@ -29,9 +29,9 @@ class LatencySamples:
 class ServerMetrics:
     def __init__(self, engine):
         r = self.registry = CollectorRegistry()
-        g = lambda n, d: Gauge(P + n, d, registry=r)                     # noqa: E731
-        c = lambda n, d, **kw: Counter(P + n, d, registry=r, **kw)       # noqa: E731
-        h = lambda n, d, b: Histogram(P + n, d, buckets=b, registry=r)   # noqa: E731
+        g = lambda n, d, *lab: Gauge(P + n, d, lab, registry=r)                      # noqa: E731
+        c = lambda n, d, *lab: Counter(P + n, d, lab, registry=r)                    # noqa: E731
+        h = lambda n, d, b, *lab: Histogram(P + n, d, lab, buckets=b, registry=r)    # noqa: E731
         self.running = g("num_requests_running", "Requests in the running batch")
         self.waiting = g("num_requests_waiting", "Requests in the waiting queue")
         self.preempted = g("num_requests_preempted", "Waiting requests that were preempted (recompute or swap)")
@@ -51,7 +51,7 @@ class ServerMetrics:
         self.preemptions = c("num_preemptions", "Preemptions")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = c("generation_tokens", "Tokens generated")
-        self.success = c("request_success", "Finished requests", labelnames=["finished_reason"])
+        self.success = c("request_success", "Finished requests", "finished_reason")
         self.ttft = h("time_to_first_token_seconds", "Time to first token", _LAT)
         self.itl = h("inter_token_latency_seconds", "Time between two output tokens of a request", _LAT)
         self.tpot = h("time_per_output_token_seconds", "Mean time per output token after the first, per request", _LAT)
@@ -64,27 +64,22 @@ class ServerMetrics:
         self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified")
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
-                              "tokens by their position in the draft (0 = first)", labelnames=["position"])
+                              "tokens by their position in the draft (0 = first)", "position")
         # traffic classes: label values are the configured class names (bounded by --traffic-classes)
         self.classes = engine.scheduler.classes
         if self.classes is not None:
-            lab = ["traffic_class"]
-            self.class_running = Gauge(P + "class_num_requests_running", "Running requests per traffic class",
-                                       lab, registry=r)
-            self.class_waiting = Gauge(P + "class_num_requests_waiting", "Waiting requests per traffic class",
-                                       lab, registry=r)
-            self.class_ttft = Histogram(P + "class_time_to_first_token_seconds", "Time to first token per traffic "
-                                        "class", lab, buckets=_LAT, registry=r)
-            self.class_itl = Histogram(P + "class_inter_token_latency_seconds", "Time between two output tokens "
-                                       "per traffic class", lab, buckets=_LAT, registry=r)
-            self.class_success = Counter(P + "class_request_success", "Finished requests per traffic class", lab,
-                                         registry=r)
-            self.class_slo = Counter(P + "class_slo_met", "Requests of a class whose first token (slo=ttft) or every "
-                                     "inter-token gap (slo=itl) met its class's p99 target", lab + ["slo"],
-                                     registry=r)
-            for c in self.classes:
+            k = "traffic_class"
+            self.class_running = g("class_num_requests_running", "Running requests per traffic class", k)
+            self.class_waiting = g("class_num_requests_waiting", "Waiting requests per traffic class", k)
+            self.class_ttft = h("class_time_to_first_token_seconds", "Time to first token per traffic class", _LAT, k)
+            self.class_itl = h("class_inter_token_latency_seconds", "Time between two output tokens per traffic "
+                               "class", _LAT, k)
+            self.class_success = c("class_request_success", "Finished requests per traffic class", k)
+            self.class_slo = c("class_slo_met", "Requests of a class whose first token (slo=ttft) or every "
+                               "inter-token gap (slo=itl) met its class's p99 target", k, "slo")
+            for klass in self.classes:
                 for m in (self.class_running, self.class_waiting, self.class_ttft, self.class_itl, self.class_success):
-                    m.labels(traffic_class=c.name)
+                    m.labels(traffic_class=klass.name)
         self._worst_itl: dict[str, float] = {}   # per stream: its longest gap so far (ITL SLO), with classes
         self._last: dict = {}                    # the engine's running total each counter was last advanced to
         self._tok_seen: dict[str, tuple[int, float]] = {}
