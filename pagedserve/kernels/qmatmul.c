@@ -614,10 +614,81 @@ INLINE const uint8_t *x8_group(const uint8_t *w, int n, int64_t row_bytes) {
     return g;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Two groups (16 output rows) a zmm: group g's 8 lanes in the low half, group g + 1's in the high half, so one
+ * broadcast of 4 x inputs feeds both and a vpdpbusd does 64 multiply-adds (the 8-row path: 32). Each lane does
+ * the 8-row path's operations in its order (integer sums, then the same convert, multiply and multiply-adds):
+ * the outputs are that path's to the bit. Returns the first row it left (a last lone group: the 8-row path). */
+#define X16 1
+INLINE __m512i cat256(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 -> 16 float */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+
+INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
+                    int n0, int n1) {
+    const int nb = K / 32, hdr = x8_header(fmt);
+    int n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
+        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
+        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        __m512 acc[MAXM], accm[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b0 = x8_block(fmt, g0, j, row_bytes, nb), *b1 = x8_block(fmt, g1, j, row_bytes, nb);
+            const __m512 dw = fmt == W_I8X8 ? _mm512_set1_ps(1.0f) : cat_f16(b0, b1);
+            const __m512 mw = fmt == W_Q4_1X8 ? cat_f16(b0 + 16, b1 + 16)
+                                              : _mm512_mul_ps(dw, _mm512_set1_ps(x8_m_per_d(fmt)));
+            __m512i v[8];
+            if (x8_bytes8(fmt)) {
+                for (int p = 0; p < 8; p++) v[p] = cat256(b0 + hdr + 32 * p, b1 + hdr + 32 * p);
+            } else {
+                const __m512i low4 = _mm512_set1_epi8(15);
+                for (int h = 0; h < 4; h++) {
+                    __m512i c = cat256(b0 + hdr + 32 * h, b1 + hdr + 32 * h);
+                    v[h] = _mm512_and_si512(c, low4);
+                    v[h + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+                }
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                int32_t x4[8];
+                memcpy(x4, xq, 32);
+                __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+                for (int p = 0; p < 8; p += 2) {
+                    a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
+                    a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
+                }
+                const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[m * nb + j]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s, acc[m]);
+                accm[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[m * nb + j]), accm[m]);
+            }
+        }
+        const __m512 rs = fmt == W_I8X8 ? _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)g0)),
+                                                             _mm256_loadu_ps((const float *)g1), 1)
+                                        : _mm512_set1_ps(1.0f);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            _mm512_storeu_ps(out + (int64_t)m * ldo + n, _mm512_mul_ps(_mm512_add_ps(acc[m], accm[m]), rs));
+    }
+    return n;
+}
+#endif
+
 /* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
+#if defined(X16)
+    n0 = x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
+#endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)

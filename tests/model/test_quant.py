@@ -108,8 +108,8 @@ def test_crossover_times_every_weight_in_turn(monkeypatch):
     m, line = quant.measure_crossover(ws, torch.float32)
     assert "3 weights in turn" in line
     rows = sorted({r for _, r in calls})
-    for r in rows:      # each weight as often as the others at each row count
-        assert sorted(i for i, rr in calls if rr == r) == sorted([id(w) for w in ws] * 4)
+    for r in rows:      # each weight as often as the others at each row count (4 passes; 2 past 64 rows)
+        assert sorted(i for i, rr in calls if rr == r) == sorted([id(w) for w in ws] * (4 if r <= 64 else 2))
     calls.clear()
     monkeypatch.setattr(quant, "COLD_BYTES", ws[0].data.numel() + 1)
     _, line = quant.measure_crossover(ws, torch.float32)
@@ -180,6 +180,26 @@ def test_interleaved_rows_multiply_and_dequantize_as_the_files(level, fmt, m, mo
         w._qmatmul(x, int8_act=False)
     with pytest.raises(ValueError, match="interleave after"):
         w.permute_rows(torch.arange(n))
+
+
+@pytest.mark.skipif(not {"avx512-vnni", "avx2-vnni"} <= set(LEVELS), reason="needs a host with AVX512-VNNI")
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "I8"])
+def test_sixteen_row_products_are_the_eight_row_ones_to_the_bit(fmt, monkeypatch):
+    """The avx512-vnni build multiplies two 8-row groups a zmm; each lane does what the avx2-vnni build's
+    8-row path does, in its order: the same float32 bits (so a batch's rows, a verification's and a
+    decode step's stay what a one-row step computes). 88 rows: 16-row work items, the last of 8."""
+    n, k = 88, 512
+    raw = (quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(7))).data if fmt == "I8"
+           else torch.from_numpy(random_blocks(fmt, n, k, seed=7)))
+    w = PackedWeight(fmt, raw, k, int8_act=True)
+    w.interleave()
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
+    outs = []
+    for lvl in ("avx512-vnni", "avx2-vnni"):
+        lib = kernels.load(lvl, source="qmatmul")
+        monkeypatch.setattr(quant, "_lib", lambda lib=lib: lib)
+        outs.append(w._qmatmul(x, int8_act=True))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_interleave_keeps_what_it_cannot_group():
