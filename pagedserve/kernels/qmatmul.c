@@ -796,9 +796,66 @@ static void q4kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
     }
 }
 
+#if defined(X16)
+/* Q4_Kx8 two groups a zmm, as x16_rows: each lane does q4kx8_rows' operations in its order (the same bits) */
+INLINE __m512 cat_u8ps(const uint8_t *a, const uint8_t *b) {   /* 8 + 8 bytes -> 16 float */
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                                                      _mm_loadl_epi64((const __m128i *)b))));
+}
+
+INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+                       int n1) {
+    const int nb = K / 32;
+    int n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
+        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
+        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        __m512 acc[MAXM], accm[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b0 = g0 + (int64_t)sb * Q4KX8_BYTES, *b1 = g1 + (int64_t)sb * Q4KX8_BYTES;
+            const __m512 dv = cat_f16(b0, b1), mv = cat_f16(b0 + 16, b1 + 16);
+            for (int s = 0; s < 8; s++) {
+                const int t = s >> 1, half = s & 1, j = 8 * sb + s;
+                const __m512 sc = cat_u8ps(b0 + 32 + 8 * s, b1 + 32 + 8 * s);
+                const __m512 mn = cat_u8ps(b0 + 96 + 8 * s, b1 + 96 + 8 * s);
+                const __m512 dw = _mm512_mul_ps(dv, sc), mw = _mm512_mul_ps(_mm512_mul_ps(mv, mn), _mm512_set1_ps(-1.0f));
+                __m512i v[8];
+                for (int p = 0; p < 8; p++) {
+                    const __m512i c = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
+                    v[p] = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, _mm512_set1_epi8(15));
+                }
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                    int32_t x4[8];
+                    memcpy(x4, xq, 32);
+                    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+                    for (int p = 0; p < 8; p += 2) {
+                        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
+                        a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
+                    }
+                    const __m512 sx = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[m * nb + j]));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), sx, acc[m]);
+                    accm[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[m * nb + j]), accm[m]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) _mm512_storeu_ps(out + (int64_t)m * ldo + n, _mm512_add_ps(acc[m], accm[m]));
+    }
+    return n;
+}
+#endif
+
 INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
                        int n1) {
     const int nb = K / 32;
+#if defined(X16)
+    n0 = q4kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
+#endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)
@@ -888,10 +945,76 @@ static void q6kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
     }
 }
 
+#if defined(X16)
+/* Q6_Kx8 two groups a zmm, as x16_rows: each lane does q6kx8_rows' operations in its order (the same bits);
+ * taken for calls of 8 x rows (a one-row step measured 1.3x slower here, 32 rows 1.43x faster) */
+INLINE __m512 cat_i8ps(const uint8_t *a, const uint8_t *b) {   /* 8 + 8 signed bytes -> 16 float */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                                                      _mm_loadl_epi64((const __m128i *)b))));
+}
+
+INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
+                       int n1) {
+    const int nb = K / 32, ng = K / 16;
+    const int32_t *s16 = x.s16;
+    int n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
+        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
+        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        __m512 acc[MAXM];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b0 = g0 + (int64_t)sb * Q6KX8_BYTES, *b1 = g1 + (int64_t)sb * Q6KX8_BYTES;
+            const __m512 dv = cat_f16(b0, b1);
+            for (int h = 0; h < 2; h++) {
+              __m512i hb[8];
+              for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
+              for (int t = 0; t < 4; t++) {
+                const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
+                __m512i v[8];
+                for (int p = 0; p < 8; p++) {
+                    __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
+                    lo = _mm512_and_si512(_mm512_srli_epi16(lo, 4 * (t >> 1)), _mm512_set1_epi8(15));
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(hb[p], 2 * t), _mm512_set1_epi8(3));
+                    v[p] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                }
+                const __m512 sc0 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * gi, b1 + 16 + 8 * gi));
+                const __m512 sc1 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * (gi + 1), b1 + 16 + 8 * (gi + 1)));
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    int32_t x4[8];
+                    memcpy(x4, x.q + (int64_t)m * K + 32 * j, 32);
+                    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+                    for (int p = 0; p < 4; p++) {
+                        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
+                        a1 = _mm512_dpbusd_epi32(a1, v[p + 4], _mm512_set1_epi32(x4[p + 4]));
+                    }
+                    a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(s16[m * ng + 2 * j]));
+                    a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(s16[m * ng + 2 * j + 1]));
+                    const __m512 dx = _mm512_set1_ps(x.d[m * nb + j]);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc0, dx), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(sc1, dx), acc[m]);
+                }
+              }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) _mm512_storeu_ps(out + (int64_t)m * ldo + n, acc[m]);
+    }
+    return n;
+}
+#endif
+
 INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo, int n0,
                        int n1) {
     const int nb = K / 32, ng = K / 16;
     const int32_t *s16 = x.s16;
+#if defined(X16)
+    if (M == MAXM)          /* its unpacking per 16 rows costs more than the 8-row path saves below 8 x rows */
+        n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
+#endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = x8_group(w, n, row_bytes);
 #if defined(__AVX2__)

@@ -183,7 +183,7 @@ def test_interleaved_rows_multiply_and_dequantize_as_the_files(level, fmt, m, mo
 
 
 @pytest.mark.skipif(not {"avx512-vnni", "avx2-vnni"} <= set(LEVELS), reason="needs a host with AVX512-VNNI")
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "I8"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "I8", "Q4_K", "Q6_K"])
 def test_sixteen_row_products_are_the_eight_row_ones_to_the_bit(fmt, monkeypatch):
     """The avx512-vnni build multiplies two 8-row groups a zmm; each lane does what the avx2-vnni build's
     8-row path does, in its order: the same float32 bits (so a batch's rows, a verification's and a
@@ -193,7 +193,7 @@ def test_sixteen_row_products_are_the_eight_row_ones_to_the_bit(fmt, monkeypatch
            else torch.from_numpy(random_blocks(fmt, n, k, seed=7)))
     w = PackedWeight(fmt, raw, k, int8_act=True)
     w.interleave()
-    x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))     # 8 rows, then 5 (Q6_K: the 8-row path)
     outs = []
     for lvl in ("avx512-vnni", "avx2-vnni"):
         lib = kernels.load(lvl, source="qmatmul")
