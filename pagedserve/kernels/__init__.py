@@ -91,7 +91,7 @@ def _declare(lib: ctypes.CDLL, source: str) -> None:
         lib.add_rms_norm.argtypes = [p] * 5 + [i, i, f]
         lib.rope_kv.argtypes = [p, i, p, p, i, p, p, p, p, p, i, p, i, i, i, i]
         lib.silu_mul.argtypes = [p, i, p, i, i]
-        lib.decode_layers.argtypes = [p, p, i, p, p, i, p, p, i, p]
+        lib.decode_layers.argtypes = [p, p, i, p, p, i, p, p, i, p, i, p]
         lib.decode_layers.restype = i
     for name in ("paged_decode_attention", "paged_prefill_attention", "qmatmul", "qmatmul_q8", "qdequant",
                  "add_rms_norm", "rope_kv", "silu_mul"):
@@ -281,7 +281,14 @@ class DecodeStack(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_void_p), ("qmm", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 *((name, ctypes.c_int32) for name in ("L", "H", "nh", "nkv", "hd", "I", "block_size", "kv")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("prof", ctypes.c_void_p),
-                ("row_slot", ctypes.c_void_p), ("max_loras", ctypes.c_int32), ("rank", ctypes.c_int32)]
+                ("row_slot", ctypes.c_void_p), ("max_loras", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("pattn", ctypes.c_void_p)]
+
+
+class Chunks(ctypes.Structure):
+    """chunks_t: a step's prefill chunks for decode_layers (AttentionMetadata's prefill_* tensors)."""
+    _fields_ = [("block_tables", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
+                ("n", ctypes.c_int32), ("max_blocks", ctypes.c_int32)]
 
 
 def function_address(lib: ctypes.CDLL, name: str) -> int:

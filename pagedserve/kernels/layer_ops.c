@@ -144,6 +144,16 @@ typedef void (*attn_fn)(const float *q, const void *k_cache, const void *v_cache
                         const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *context_lens,
                         float *out, int num_seqs, int n_heads, int n_kv, int head_dim, int block_size, int max_blocks,
                         float scale, int window);
+typedef void (*pattn_fn)(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                         const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *cu_q,
+                         const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv, int head_dim,
+                         int block_size, int max_blocks, float scale, int window);
+
+typedef struct {            /* a step's prefill chunks (rows after its decode rows), as paged_prefill_attention
+                               takes them: chunk p owns rows cu_q[p] .. cu_q[p + 1] - 1 of them */
+    const int64_t *block_tables, *cu_q, *context_lens;
+    int32_t n, max_blocks;
+} chunks_t;
 
 typedef struct {            /* one packed product: out (T x N) = x (T x K) . W^T (+ bias) */
     const uint8_t *w;
@@ -179,6 +189,7 @@ typedef struct {            /* the model's shape and the kernels its products an
     double *prof;           /* NULL, or seconds accumulated: [0] products, [1] attention, [2] the glue */
     const int32_t *row_slot;    /* this step's LoRA slot of each row (-1: the base model); NULL: no LoRA */
     int32_t max_loras, rank;
+    pattn_fn pattn;             /* the prefill chunks' attention */
 } dstack_t;
 
 static double now_s(void) {
@@ -302,11 +313,14 @@ static void product(const dstack_t *s, const packed_t *p, const lora_t *lo, cons
     if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, p->N, lora_scratch);
 }
 
-/* x: T decode rows (one per sequence) of the residual stream, H wide, updated in place through every layer;
- * cos, sin: T x rot (rot 0: no RoPE); slots: each row's cache slot; block_tables: T x max_blocks;
- * context_lens: T. Returns 0, or -1 when its scratch could not be allocated (x untouched then). */
+/* x: T rows of the residual stream, H wide, updated in place through every layer: D decode rows (one per
+ * sequence; block_tables D x max_blocks, context_lens D), then the rows of `chunks` (NULL: none; a chunk's
+ * rows attend causally to its context, as the layer path's prefill kernel has them); cos, sin: T x rot (rot 0:
+ * no RoPE); slots: each row's cache slot. Every row's K/V is written before any row attends. Returns 0, or -1
+ * when its scratch could not be allocated (x untouched then). */
 int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const float *sin_, int rot,
-                  const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *context_lens) {
+                  const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                  int D, const chunks_t *chunks) {
     const int H = s->H, nh = s->nh, nkv = s->nkv, hd = s->hd, I = s->I;
     const int nqkv = (nh + 2 * nkv) * hd, nq = nh * hd;
     const int lora = s->row_slot ? 1 + 3 * s->rank : 0;     /* lora_add's scratch, a row: its index, xa */
@@ -325,8 +339,13 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
         rope_kv(qkv, nqkv, cos_, sin_, rot, q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, slots, T,
                 nh, nkv, hd);
         LAP(2);
-        s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, T, nh,
-                nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
+        if (D)
+            s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, D,
+                    nh, nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
+        if (chunks)
+            s->pattn(q + (int64_t)D * nq, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv,
+                     chunks->block_tables, chunks->cu_q, chunks->context_lens, o + (int64_t)D * nq, chunks->n, nh,
+                     nkv, hd, s->block_size, chunks->max_blocks, s->scale, ly->window);
         LAP(1);
         product(s, &ly->o, ly->lora[1], o, T, nq, y, ls);
         LAP(0);

@@ -389,13 +389,14 @@ class LlamaForCausalLM(nn.Module):
 
 
 class FusedDecode:
-    """A decode step's layers in one call to layer_ops' decode_layers: the same kernels, in the same
-    order, as DecoderLayer._forward_native on each layer (in float32: the same numbers), without the ~15
-    Python calls, allocations and ctypes crossings a layer costs (~0.1 ms a layer on a 2-core host: most
-    of a one-row step outside the weight reads). Taken by steps of only decode rows, up to the rows the
-    packed products are used for (PackedWeight.small_m); with LoRA rows in a float32 model too (their
-    deltas added in C after each product: close to LoRABatch.add, not bit for bit); the layer path runs
-    otherwise.
+    """A step's layers in one call to layer_ops' decode_layers: the same kernels, in the same order, as
+    DecoderLayer._forward_native on each layer (in float32: the same numbers), without the ~15 Python
+    calls, allocations and ctypes crossings a layer costs (~0.1 ms a layer on a 2-core host: most of a
+    one-row step outside the weight reads; ~10 ms of a 100-token bf16 prefill's torch glue). Taken by
+    steps up to the rows the packed products are used for (PackedWeight.small_m): decode rows (with LoRA
+    rows in a float32 model too: their deltas added in C after each product, close to LoRABatch.add, not
+    bit for bit) and prefill chunks where the layers' prefill attention is the native kernel too (the
+    chunks' rows after the decode rows, as AttentionMetadata orders them); the layer path runs otherwise.
     In a bfloat16 / float16 model (whose layers take the torch glue) the step's residual stream, norms
     and RoPE are float32 here (the products round their input to int8 anyway; the K/V cache keeps its
     dtype): more precise than the layer path, held like it to the closeness rule.
@@ -456,6 +457,7 @@ class FusedDecode:
             layers=ctypes.addressof(self.structs),
             qmm=kernels.function_address(qmm, "qmatmul_q8" if w0.int8_act else "qmatmul"),
             attn=kernels.function_address(kernels.load(), "paged_decode_attention"),
+            pattn=kernels.function_address(kernels.load(), "paged_prefill_attention"),
             L=len(layers), H=cfg.hidden_size, nh=first.n_heads, nkv=first.n_kv, hd=first.hd,
             I=first.down_proj.weight.K, block_size=0, kv=-1, eps=first.eps, scale=first.scale)
         self.seconds: ctypes.Array | None = None      # profile(): products, attention, glue
@@ -474,10 +476,15 @@ class FusedDecode:
         self.stack.prof = None if self.seconds is None else ctypes.addressof(self.seconds)
 
     def takes(self, x: torch.Tensor, md, lora: LoRABatch | None) -> bool:
-        return (isinstance(md, AttentionMetadata) and md.native and not md.num_prefills
-                and md.num_decodes == x.shape[0] <= self.max_rows
-                and (lora is None or (not lora.segments and len(lora.decode_slots) == x.shape[0]
-                                      and lora.slots.dtype == torch.float32)))
+        """Steps of up to max_rows rows whose attention the native kernels read: decode rows (with LoRA
+        slots in float32 too) and, where the native prefill kernel is the layer path's (md.native_prefill),
+        prefill chunks (without LoRA)."""
+        if not (isinstance(md, AttentionMetadata) and md.native and x.shape[0] <= self.max_rows):
+            return False
+        if md.num_prefills:
+            return md.native_prefill and lora is None
+        return md.num_decodes == x.shape[0] and (lora is None or (
+            not lora.segments and len(lora.decode_slots) == x.shape[0] and lora.slots.dtype == torch.float32))
 
     def _bind_lora(self, slots) -> None:
         """The runner's LoRA slot tensors, per layer and product (made as adapters first need them; their
@@ -518,7 +525,10 @@ class FusedDecode:
         """The hidden states after the last layer (x's dtype): x is the embedded step, updated in place."""
         x = x.float().contiguous()
         cos, sin = self.rope(positions, torch.float32, x.device) if self.rope is not None else (None, None)
-        bt = md.decode_block_tables
+        bt, d = md.decode_block_tables, md.num_decodes
+        chunks = None if not md.num_prefills else kernels.Chunks(
+            md.prefill_block_tables.data_ptr(), md.prefill_cu_q.data_ptr(), md.prefill_context_lens.data_ptr(),
+            md.num_prefills, md.prefill_block_tables.shape[1])
         row_slot = None if lora is None else (ctypes.c_int32 * x.shape[0])(*lora.decode_slots)
         with self._lock:
             self._bind(kv_caches)
@@ -528,8 +538,9 @@ class FusedDecode:
             rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
                                         None if cos is None else cos.data_ptr(),
                                         None if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[-1],
-                                        md.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1],
-                                        md.decode_context_lens.data_ptr())
+                                        md.slot_mapping.data_ptr(), bt.data_ptr() if d else None,
+                                        bt.shape[1] if d else 0, md.decode_context_lens.data_ptr() if d else None,
+                                        d, None if chunks is None else ctypes.byref(chunks))
             self.stack.row_slot = None
         if rc != 0:
             raise MemoryError("decode_layers could not allocate its scratch")

@@ -1,5 +1,5 @@
-"""Few-row decode steps in one native call (LlamaForCausalLM.fused, kernels/layer_ops.c decode_layers)
-against the layer-by-layer path they replace: the same logits bit for bit in float32 (packed products
+"""Few-row steps (decode rows, prefill chunks) in one native call (LlamaForCausalLM.fused, kernels/layer_ops.c
+decode_layers) against the layer-by-layer path they replace: the same logits bit for bit in float32 (packed products
 with float or int8-rounded activations, float32 or int8 K/V, attention biases), the closeness rule in
 bfloat16 (where the fused step keeps its residual stream in float32), and the steps it leaves alone."""
 import pytest
@@ -24,8 +24,9 @@ def tiny_llama(tmp_path_factory):
 
 
 def _decode_logits(model, kv_dtype, count: bool = True, seed: int = 1) -> tuple[torch.Tensor, int]:
-    """Prefill three prompts, then DECODES steps of the three as decode rows: the decode steps' logits,
-    and how many of those steps took the fused call (when `count`)."""
+    """Prefill three prompts (the first two in one step, the third's first 30 tokens beside the first
+    decode rows, the rest of it with the next: chunks with a cached prefix), then DECODES steps of the three
+    as decode rows: every step's logits, and how many steps took the fused call (when `count`)."""
     runner = ModelRunner(model, num_blocks=40, block_size=16, kv_cache_dtype=kv_dtype)
     g = torch.Generator().manual_seed(seed)
     reqs, blocks, first = [], [], 1
@@ -34,14 +35,16 @@ def _decode_logits(model, kv_dtype, count: bool = True, seed: int = 1) -> tuple[
         reqs.append(make_request(f"r{i}", ids))
         blocks.append(blocks_for(first, n + DECODES, 16))
         first += len(blocks[-1])
-    forward_all_rows(runner, [(r, 0, n, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
     fused, calls = model.fused, []
     if fused is not None and count:
         run = fused.run
         fused.run = lambda *a: calls.append(1) or run(*a)
+    (a, b, c), (na, nb, nc), (ba, bb, bc) = reqs, PROMPTS, blocks
+    steps = [[(a, 0, na, ba), (b, 0, nb, bb)], [(a, na, 1, ba), (b, nb, 1, bb), (c, 0, 30, bc)],
+             [(a, na + 1, 1, ba), (b, nb + 1, 1, bb), (c, 30, nc - 30, bc)]]
+    steps += [[(r, n + j, 1, bl) for r, n, bl in zip(reqs, PROMPTS, blocks)] for j in range(2, DECODES)]
     try:
-        out = [forward_all_rows(runner, [(r, n + j, 1, b) for r, n, b in zip(reqs, PROMPTS, blocks)])
-               for j in range(DECODES)]
+        out = [forward_all_rows(runner, step) for step in steps]
     finally:
         if fused is not None and count:
             del fused.run
@@ -52,7 +55,7 @@ def _both_paths(path: str, dtype: torch.dtype, int8_act: bool, kv_dtype) -> tupl
     model, _ = load_model(resolve_model(path), dtype, quantization="int8", int8_act=int8_act)
     assert packed_up_to(model).startswith("decode steps: every layer in one native call for up to 64 rows")
     fused, calls = _decode_logits(model, kv_dtype)
-    assert calls == DECODES                       # every decode step took the one call
+    assert calls == DECODES + 1                   # every step took the one call (prefill chunks too)
     keep, model.fused = model.fused, None
     try:
         layered, calls = _decode_logits(model, kv_dtype)
@@ -79,14 +82,16 @@ def test_fused_decode_in_bfloat16_holds_the_closeness_rule(tiny_llama):
 
 def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_llama, tmp_path, monkeypatch):
     """Dense weights, a family option the native glue lacks (Qwen3's q/k norms), and either switch off:
-    layer by layer, and the load line says why. A step with prefill rows never takes it, nor one whose
-    LoRA slots are not float32."""
+    layer by layer, and the load line says why. A step with prefill rows takes it only where the layers'
+    prefill attention is the native kernel, without LoRA and within the packed products' rows; a decode
+    step whose LoRA slots are not float32 never does."""
     dense, _ = load_model(resolve_model(tiny_llama), torch.float32)
     assert dense.fused is None
     assert "dense weights" in dense.choose_decode_path()
     save_family("qwen3", tmp_path, 256)
     qwen3, _ = load_model(resolve_model(str(tmp_path)), torch.float32, quantization="int8")
     assert qwen3.fused is None and "family options" in qwen3.choose_decode_path()
+    from types import SimpleNamespace as NS
     model, _ = load_model(resolve_model(tiny_llama), torch.float32, quantization="int8", int8_act=True)
     packed_up_to(model)
     try:
@@ -105,12 +110,19 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_llama, tmp_path, 
     so = SchedulerOutput((ScheduledSeq.of(prompt, 0, 40, (tuple(blocks_for(1, 40, 16)),), False),))
     x = torch.zeros(40, model.cfg.hidden_size)
     _, _, md, *_ = runner.prepare(so)
-    assert not model.fused.takes(x, md, None)                           # prefill rows
+    from dataclasses import replace
+    assert model.fused.takes(x, replace(md, native_prefill=True), None)       # prefill rows: the native kernel
+    assert not model.fused.takes(x, replace(md, native_prefill=False), None)  # ... not the layers' SDPA
+    assert not model.fused.takes(x, replace(md, native_prefill=True), NS(segments=[(0, 40, 0)]))   # LoRA rows
+    model.fused.max_rows = 39
+    try:
+        assert not model.fused.takes(x, replace(md, native_prefill=True), None)   # past the packed products
+    finally:
+        model.fused.max_rows = 64
     decode = make_request("d", list(range(41)))
     so = SchedulerOutput((ScheduledSeq.of(decode, 40, 1, (tuple(blocks_for(1, 41, 16)),), False),))
     _, _, md, *_ = runner.prepare(so)
     assert model.fused.takes(x[:1], md, None)
-    from types import SimpleNamespace as NS
     lora = NS(segments=[], decode_slots=[0], slots=NS(dtype=torch.float32))
     assert model.fused.takes(x[:1], md, lora)                          # adapter decode rows: in C
     assert not model.fused.takes(x[:1], md, NS(**{**vars(lora), "slots": NS(dtype=torch.bfloat16)}))
