@@ -629,6 +629,20 @@ INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 ->
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
+/* one 32-block of x row m against 16 rows' weights v (8 chunks of 4 inputs): acc += d_w dx sum(u q), accm += m_w ds */
+INLINE void x16_block(const __m512i *v, const int8_t *xq, __m512 dw, __m512 mw, float dx, float ds, __m512 *acc,
+                      __m512 *accm) {
+    int32_t x4[8];
+    memcpy(x4, xq, 32);
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (int p = 0; p < 8; p += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
+        a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
+    }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), *acc);
+    *accm = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), *accm);
+}
+
 INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
@@ -657,19 +671,8 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                 }
             }
 #pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
-                int32_t x4[8];
-                memcpy(x4, xq, 32);
-                __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-                for (int p = 0; p < 8; p += 2) {
-                    a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
-                    a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
-                }
-                const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[m * nb + j]));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s, acc[m]);
-                accm[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[m * nb + j]), accm[m]);
-            }
+            for (int m = 0; m < M; m++)
+                x16_block(v, x.q + (int64_t)m * K + 32 * j, dw, mw, x.d[m * nb + j], x.ds[m * nb + j], &acc[m], &accm[m]);
         }
         const __m512 rs = fmt == W_I8X8 ? _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)g0)),
                                                              _mm256_loadu_ps((const float *)g1), 1)
@@ -828,19 +831,9 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
                     v[p] = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, _mm512_set1_epi8(15));
                 }
 #pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
-                    int32_t x4[8];
-                    memcpy(x4, xq, 32);
-                    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-                    for (int p = 0; p < 8; p += 2) {
-                        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
-                        a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
-                    }
-                    const __m512 sx = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[m * nb + j]));
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), sx, acc[m]);
-                    accm[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[m * nb + j]), accm[m]);
-                }
+                for (int m = 0; m < M; m++)
+                    x16_block(v, x.q + (int64_t)m * K + 32 * j, dw, mw, x.d[m * nb + j], x.ds[m * nb + j], &acc[m],
+                              &accm[m]);
             }
         }
 #pragma GCC unroll 8
