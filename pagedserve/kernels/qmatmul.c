@@ -629,6 +629,13 @@ INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 ->
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
+/* the two groups of 8 rows starting at row n, the next two groups' bytes prefetched */
+INLINE const uint8_t *x16_pair(const uint8_t *w, int n, int64_t row_bytes) {
+    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + 2 * PREFETCH_ROWS * row_bytes;
+    for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+    return g;
+}
+
 /* one 32-block of x row m against 16 rows' weights v (8 chunks of 4 inputs): acc += d_w dx sum(u q), accm += m_w ds */
 INLINE void x16_block(const __m512i *v, const int8_t *xq, __m512 dw, __m512 mw, float dx, float ds, __m512 *acc,
                       __m512 *accm) {
@@ -648,9 +655,7 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     const int nb = K / 32, hdr = x8_header(fmt);
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
-        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
-        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
@@ -811,9 +816,7 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int nb = K / 32;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
-        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
-        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
@@ -952,9 +955,7 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int32_t *s16 = x.s16;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
-        const uint8_t *ahead = g0 + 2 * PREFETCH_ROWS * row_bytes;       /* the next two groups */
-        for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
