@@ -147,15 +147,15 @@ def main():
     def key(config: str) -> str:                 # the off run it is compared with: DTYPE:QUANT and seededness
         parts = config.split(":")
         return ":".join(parts[:2]) + (":seeded" if parts[3:4] == ["seeded"] else "")
-    base = {}
-    for r in results:
-        for w, m in r["workloads"].items():
-            if (r["config"].split(":") + ["off"])[2] == "off":
-                base[key(r["config"]), w] = m
+    def off_before(i: int, config: str, w: str):   # the off run of its round: the last one before it, else the first
+        offs = [j for j, r in enumerate(results) if (r["config"].split(":") + ["off"])[2] == "off"
+                and key(r["config"]) == key(config)]
+        j = max((j for j in offs if j <= i), default=offs[0] if offs else None)
+        return None if j is None else results[j]["workloads"].get(w)
     print(f"{'config':28} {'workload':9} {'tok/s':>7} {'vs off':>7} {'drafted':>8} {'accept':>7} identical")
-    for r in results:
+    for i, r in enumerate(results):
         for w, m in r["workloads"].items():
-            b = base.get((key(r["config"]), w))
+            b = off_before(i, r["config"], w)
             ratio = f"{m['tok_s'] / b['tok_s']:.2f}x" if b else "-"
             n_same = sum(x == y for x, y in zip(m["outputs"], b["outputs"])) if b else 0
             same = "-" if not b or b is m else f"{n_same}/{len(b['outputs'])}"
