@@ -76,6 +76,15 @@ def replicas():
         yield [(a, pa), (b, pb)]
 
 
+def _running(base: str) -> int:
+    """A replica's running requests, from its /metrics (0 when it does not answer)."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(base + "/metrics", timeout=2).text.splitlines():
+            if line.startswith("pagedserve:num_requests_running "):
+                return int(float(line.split()[1]))
+    return 0
+
+
 def _run(router_base: str, prompts: list[str], workers: int = 2) -> list[httpx.Response]:
     def one(p):
         return httpx.post(router_base + "/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0},
@@ -101,12 +110,14 @@ def test_cache_aware_routing_beats_round_robin(replicas):
 
 def test_a_replica_killed_mid_run(replicas):
     """No request hangs: those in flight on the dead replica end with a clear error, the rest (and every
-    later one) are served by the other replica."""
+    one after the router has seen it go: a failed request or a health check, every 0.2 s here) are served
+    by the other replica. The kill waits until the replica is running requests (a fixed sleep let a fast
+    engine finish them all first)."""
     from pagedserve.router.app import build_router
     (a, pa), (b, pb) = replicas
     with serve_in_thread(build_router([a, b], health_interval_s=0.2)) as router:
         def one(i):
-            body = {"prompt": f"Request {i}: count slowly", "max_tokens": 48, "ignore_eos": True,
+            body = {"prompt": f"Request {i}: count slowly", "max_tokens": 96, "ignore_eos": True,
                     "stream": i % 2 == 0}
             with contextlib.suppress(httpx.HTTPError):
                 if body["stream"]:
@@ -125,11 +136,18 @@ def test_a_replica_killed_mid_run(replicas):
 
         with cf.ThreadPoolExecutor(8) as ex:
             futs = [ex.submit(one, i) for i in range(16)]
-            time.sleep(2.0)
+            deadline = time.monotonic() + 60
+            while _running(a) == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
             pa.kill()                                       # replica a dies with requests in flight
             outcomes = [f.result(timeout=90) for f in futs]  # none hangs
         assert set(outcomes) <= {"ok", "error"}, outcomes
-        assert outcomes.count("ok") >= 8
+        assert "error" in outcomes and outcomes.count("ok") >= 8, outcomes
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [r["healthy"] for r in
+                                               httpx.get(router + "/router/state").json()["replicas"]] != [False, True]:
+            time.sleep(0.05)
+        time.sleep(0.5)                                      # a health check in flight at the kill has landed
         after = [one(100 + i) for i in range(6)]             # new requests all go to the survivor
         assert after == ["ok"] * 6
         state = httpx.get(router + "/router/state").json()
