@@ -354,7 +354,7 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
     const int group = n_heads / n_kv, C = HD / 16;
     const int64_t first_pos = ctx - q_len + i0;
     /* keys [start, end) are visible (window: from the first query's); a split item takes [k_lo, k_hi) of them */
-    const int64_t start = first_key(first_pos + 1, window) > k_lo ? first_key(first_pos + 1, window) : k_lo;
+    const int64_t first = first_key(first_pos + 1, window), start = first > k_lo ? first : k_lo;
     const int64_t end = first_pos + nq < k_hi ? first_pos + nq : k_hi;
     v16 lane;
     for (int i = 0; i < 16; i++) lane[i] = (float)i;

@@ -636,17 +636,20 @@ INLINE const uint8_t *x16_pair(const uint8_t *w, int n, int64_t row_bytes) {
     return g;
 }
 
+/* 16 rows' dot products with 16 inputs xq[0..15]: v[p] holds the rows' weights 4p .. 4p+3 (dot16's, 16 rows wide) */
+INLINE __m512i dot16x16(const __m512i *v, const int8_t *xq) {
+    int32_t x4[4];
+    memcpy(x4, xq, 16);
+    __m512i a = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) a = _mm512_dpbusd_epi32(a, v[p], _mm512_set1_epi32(x4[p]));
+    return a;
+}
+
 /* one 32-block of x row m against 16 rows' weights v (8 chunks of 4 inputs): acc += d_w dx sum(u q), accm += m_w ds */
 INLINE void x16_block(const __m512i *v, const int8_t *xq, __m512 dw, __m512 mw, float dx, float ds, __m512 *acc,
                       __m512 *accm) {
-    int32_t x4[8];
-    memcpy(x4, xq, 32);
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-    for (int p = 0; p < 8; p += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
-        a1 = _mm512_dpbusd_epi32(a1, v[p + 1], _mm512_set1_epi32(x4[p + 1]));
-    }
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), *acc);
+    const __m512i a = _mm512_add_epi32(dot16x16(v, xq), dot16x16(v + 4, xq + 16));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), *acc);
     *accm = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), *accm);
 }
 
@@ -963,35 +966,30 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
             const uint8_t *b0 = g0 + (int64_t)sb * Q6KX8_BYTES, *b1 = g1 + (int64_t)sb * Q6KX8_BYTES;
             const __m512 dv = cat_f16(b0, b1);
             for (int h = 0; h < 2; h++) {
-              __m512i hb[8];
-              for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
-              for (int t = 0; t < 4; t++) {
-                const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
-                __m512i v[8];
-                for (int p = 0; p < 8; p++) {
-                    __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
-                    lo = _mm512_and_si512(_mm512_srli_epi16(lo, 4 * (t >> 1)), _mm512_set1_epi8(15));
-                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(hb[p], 2 * t), _mm512_set1_epi8(3));
-                    v[p] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-                }
-                const __m512 sc0 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * gi, b1 + 16 + 8 * gi));
-                const __m512 sc1 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * (gi + 1), b1 + 16 + 8 * (gi + 1)));
-#pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    int32_t x4[8];
-                    memcpy(x4, x.q + (int64_t)m * K + 32 * j, 32);
-                    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-                    for (int p = 0; p < 4; p++) {
-                        a0 = _mm512_dpbusd_epi32(a0, v[p], _mm512_set1_epi32(x4[p]));
-                        a1 = _mm512_dpbusd_epi32(a1, v[p + 4], _mm512_set1_epi32(x4[p + 4]));
+                __m512i hb[8];
+                for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
+                for (int t = 0; t < 4; t++) {
+                    const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
+                    __m512i v[8];
+                    for (int p = 0; p < 8; p++) {
+                        __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
+                        lo = _mm512_and_si512(_mm512_srli_epi16(lo, 4 * (t >> 1)), _mm512_set1_epi8(15));
+                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(hb[p], 2 * t), _mm512_set1_epi8(3));
+                        v[p] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
                     }
-                    a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(s16[m * ng + 2 * j]));
-                    a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(s16[m * ng + 2 * j + 1]));
-                    const __m512 dx = _mm512_set1_ps(x.d[m * nb + j]);
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc0, dx), acc[m]);
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(sc1, dx), acc[m]);
+                    const __m512 sc0 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * gi, b1 + 16 + 8 * gi));
+                    const __m512 sc1 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * (gi + 1), b1 + 16 + 8 * (gi + 1)));
+#pragma GCC unroll 8
+                    for (int m = 0; m < M; m++) {
+                        const int8_t *xq = x.q + (int64_t)m * K + 32 * j;
+                        const __m512i a0 = _mm512_sub_epi32(dot16x16(v, xq), _mm512_set1_epi32(s16[m * ng + 2 * j]));
+                        const __m512i a1 = _mm512_sub_epi32(dot16x16(v + 4, xq + 16),
+                                                            _mm512_set1_epi32(s16[m * ng + 2 * j + 1]));
+                        const __m512 dx = _mm512_set1_ps(x.d[m * nb + j]);
+                        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc0, dx), acc[m]);
+                        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(sc1, dx), acc[m]);
+                    }
                 }
-              }
             }
         }
 #pragma GCC unroll 8

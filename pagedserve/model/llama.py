@@ -525,7 +525,8 @@ class FusedDecode:
         """The hidden states after the last layer (x's dtype): x is the embedded step, updated in place."""
         x = x.float().contiguous()
         cos, sin = self.rope(positions, torch.float32, x.device) if self.rope is not None else (None, None)
-        bt, d = md.decode_block_tables, md.num_decodes
+        bt = md.decode_block_tables          # the decode rows' attention (none: a step of prefill chunks only)
+        decodes = (bt.data_ptr(), bt.shape[1], md.decode_context_lens.data_ptr()) if md.num_decodes else (None, 0, None)
         chunks = None if not md.num_prefills else kernels.Chunks(
             md.prefill_block_tables.data_ptr(), md.prefill_cu_q.data_ptr(), md.prefill_context_lens.data_ptr(),
             md.num_prefills, md.prefill_block_tables.shape[1])
@@ -538,9 +539,8 @@ class FusedDecode:
             rc = self.lib.decode_layers(ctypes.addressof(self.stack), x.data_ptr(), x.shape[0],
                                         None if cos is None else cos.data_ptr(),
                                         None if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[-1],
-                                        md.slot_mapping.data_ptr(), bt.data_ptr() if d else None,
-                                        bt.shape[1] if d else 0, md.decode_context_lens.data_ptr() if d else None,
-                                        d, None if chunks is None else ctypes.byref(chunks))
+                                        md.slot_mapping.data_ptr(), *decodes, md.num_decodes,
+                                        None if chunks is None else ctypes.byref(chunks))
             self.stack.row_slot = None
         if rc != 0:
             raise MemoryError("decode_layers could not allocate its scratch")
