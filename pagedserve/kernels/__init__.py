@@ -41,6 +41,7 @@ LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "generic": ((), ("-march=x86-64",) if platform.machine() in ("x86_64", "AMD64") else ()),
 }
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+KV_BF16_DOT = 3      # a bf16 cache whose prefill attention multiplies in bf16 (bf16_dots)
 _libs: dict[tuple[str, str], ctypes.CDLL | None] = {}     # (source, level) -> library
 _default: str | None = None          # the level load() gives when none is named (resolved once)
 
@@ -166,6 +167,20 @@ def native_prefill_pays() -> bool:
     return (_default or host_levels()[0]).startswith("avx512")
 
 
+def bf16_dots(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the prefill attention kernel multiplies in bf16 when asked (KV_BF16_DOT): an AVX-512 build
+    on a host with AVX512-BF16 (vdpbf16ps: 32 multiply-adds an instruction, a float32 FMA's 16). It rounds
+    the queries and the softmax's probabilities to bf16, so it is asked for only where the model computes
+    in bf16 (the runner's choice); a float32 model keeps the float32 kernel and its exactness."""
+    lib = lib or load()
+    return lib is not None and bool(lib.paged_attention_bf16_dots())
+
+
+def prefill_kv_code(cache_dtype: torch.dtype, dots: bool) -> int:
+    """The format code prefill attention gets for a cache of this dtype (KV_BF16_DOT: bf16 products)."""
+    return KV_BF16_DOT if dots and cache_dtype == torch.bfloat16 else KV_CODES[cache_dtype]
+
+
 def set_threads(n: int) -> None:
     for lib in _libs.values():
         if lib is not None:
@@ -203,15 +218,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                             cu_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, bf16_dots: bool = False) -> torch.Tensor:
     """Every prefill chunk of a step in one call. q: (T, n_heads, hd) float32 contiguous, chunk p in rows
-    cu_q[p]:cu_q[p+1] (int64, P+1), the last rows of its context_lens[p] positions; block_tables (P, max_blocks)."""
+    cu_q[p]:cu_q[p+1] (int64, P+1), the last rows of its context_lens[p] positions; block_tables (P, max_blocks).
+    bf16_dots: with a bf16 cache, the products in bf16 where the host has them (see bf16_dots())."""
     lib = lib or load()
     T, nh, hd = q.shape
     _, bs, n_kv, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     lib.paged_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale),
-                                KV_CODES[k_cache.dtype], block_tables.data_ptr(), cu_q.data_ptr(),
+                                prefill_kv_code(k_cache.dtype, bf16_dots), block_tables.data_ptr(), cu_q.data_ptr(),
                                 context_lens.data_ptr(), out.data_ptr(), block_tables.shape[0], nh, n_kv, hd, bs,
                                 block_tables.shape[1], scale, window)
     return out
@@ -288,7 +304,8 @@ class DecodeStack(ctypes.Structure):
 class Chunks(ctypes.Structure):
     """chunks_t: a step's prefill chunks for decode_layers (AttentionMetadata's prefill_* tensors)."""
     _fields_ = [("block_tables", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-                ("n", ctypes.c_int32), ("max_blocks", ctypes.c_int32)]
+                ("n", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("kv", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 def function_address(lib: ctypes.CDLL, name: str) -> int:

@@ -153,6 +153,7 @@ typedef struct {            /* a step's prefill chunks (rows after its decode ro
                                takes them: chunk p owns rows cu_q[p] .. cu_q[p + 1] - 1 of them */
     const int64_t *block_tables, *cu_q, *context_lens;
     int32_t n, max_blocks;
+    int32_t kv, pad_;       /* the format code their attention gets (KV_BF16_DOT: bf16 products) */
 } chunks_t;
 
 typedef struct {            /* one packed product: out (T x N) = x (T x K) . W^T (+ bias) */
@@ -343,7 +344,7 @@ int decode_layers(const dstack_t *s, float *x, int T, const float *cos_, const f
             s->attn(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv, block_tables, context_lens, o, D,
                     nh, nkv, hd, s->block_size, max_blocks, s->scale, ly->window);
         if (chunks)
-            s->pattn(q + (int64_t)D * nq, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, s->kv,
+            s->pattn(q + (int64_t)D * nq, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, chunks->kv,
                      chunks->block_tables, chunks->cu_q, chunks->context_lens, o + (int64_t)D * nq, chunks->n, nh,
                      nkv, hd, s->block_size, chunks->max_blocks, s->scale, ly->window);
         LAP(1);

@@ -17,11 +17,15 @@
  *          A K/V row of a kv head is loaded once for all query heads of its group.
  * prefill: all prefill chunks of a step in one call (varlen: cu_q gives each chunk's rows);
  *          queries of a chunk see the cached prefix and, causally, the chunk itself. Work items
- *          are (chunk, 16-query tile, kv head): the tile's rows (group x 16) are multiplied with
- *          16-key tiles of K (transposed into L1) and V with an online softmax per row. */
+ *          are (chunk, 16-query tile, kv head): the tile's rows (group x 16; a tile of few queries packs
+ *          the group's rows into as few vectors as they fill) are multiplied with 32-key tiles of K and V
+ *          with an online softmax per row; float32 FMAs, or bf16 pairs (vdpbf16ps) for a bf16 model
+ *          on a bf16 cache where the host has AVX512-BF16 (KV_BF16_DOT). */
 #include "vec16.h"
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+/* KV_BF16_DOT: a bf16 cache whose prefill products may be bf16 too (dots_item, where the host has
+ * AVX512-BF16; KV_BF16 elsewhere and in decode) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_BF16_DOT = 3 };
 
 DEFINE_SET_THREADS(paged_attention_set_threads)
 
@@ -342,6 +346,82 @@ static void free_plan(plan_t *pl) { free(pl->part); free(pl->items); free(pl->fi
 #define QK_KEYS 8  /* keys per block of score accumulators (x 3 heads' vectors) */
 #endif
 
+/* Scores of a vector of lanes for key t of a tile, masked: a key past the tile (j >= nk), past a lane's
+ * position (causal: the lane of query i sees t <= first_pos + i; qi holds each lane's i) or before its
+ * window -> -inf. */
+INLINE v16 mask_scores(v16 x, int j, int nk, int64_t t, int64_t first_pos, int window, v16 qi) {
+    if (j >= nk) return splat(-INFINITY);
+    if (t > first_pos) {
+        const v16i hide = splat((float)(t - first_pos)) > qi;
+        x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
+    }
+    if (window > 0 && t - first_pos + window - 1 < QT - 1) {       /* window: t > first_pos + i - window */
+        const v16i hide = qi > splat((float)(t - first_pos + window - 1));
+        x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
+    }
+    return x;
+}
+
+/* The online softmax over a tile's scores P[key][head v * 16 + query] (nk keys, NV heads), lane-wise:
+ * P becomes exp(s - running max), the running max m and sum l move on, O's rows are rescaled. */
+INLINE void softmax_tile(float *P, int nk, int NV, v16 *m, v16 *l, float *O, int HD) {
+    for (int v = 0; v < NV; v++) {
+        v16 mx = m[v];
+        for (int j = 0; j < nk; j++) mx = vmax(mx, load_f32(P + j * 48 + 16 * v));
+        const v16 corr = vexp(m[v] - mx);                            /* exp(-inf) = 0 on the first tile */
+        m[v] = mx;
+        v16 sum = splat(0.f);
+        for (int j = 0; j < nk; j++) {
+            const v16 pj = vexp(load_f32(P + j * 48 + 16 * v) - mx);
+            sum += pj;
+            store_f32(P + j * 48 + 16 * v, pj);
+        }
+        l[v] = l[v] * corr + sum;
+        for (int i = 0; i < QT; i++)
+            if (corr[i] != 1.f) {
+                float *o = O + (v * 16 + i) * HD;
+                for (int c = 0; c < HD / 16; c++) store_f32(o + 16 * c, load_f32(o + 16 * c) * corr[i]);
+            }
+    }
+}
+
+/* Which query and head each of an item's 48 lanes (3 vectors of 16) computes, -1 for none. A pass covers
+ * up to 3 heads of the group, a vector each, its queries across the lanes; where the whole group's
+ * rows fit the 48 lanes (group x nq <= 48) one pass packs them (lane = head * nq + query) in as few
+ * vectors as they fill, so a short chunk at a long context costs what its rows need, not a full tile's
+ * 48 lanes (5 queries of a group of 3: one vector). Each lane's arithmetic is the same wherever it
+ * sits: packing changes no bit. Returns the pass's vectors. */
+INLINE int map_lanes(int packed, int nq, int group, int h0, int hg1, int *lq, int *lh, v16 *qi) {
+    const int NV = packed ? (nq * group + 15) / 16 : hg1 - h0 < 3 ? hg1 - h0 : 3;
+    for (int x = 0; x < 48; x++) {
+        const int v = x / 16, i = x % 16;
+        lq[x] = packed ? (x < nq * group ? x % nq : -1) : v < NV && i < nq ? i : -1;
+        lh[x] = lq[x] < 0 ? -1 : packed ? h0 + x / nq : h0 + v;
+        qi[v][i] = lq[x] < 0 ? 0.f : (float)lq[x];
+    }
+    return NV;
+}
+
+/* An item's rows out: normalised into `out`, or (a split item) unnormalised with their max and sum into
+ * `part` (by head of the group and query), merged by merge_prefill. */
+INLINE void item_out(const float *O, const v16 *m, const v16 *l, const int *lq, const int *lh, int HD, int64_t i0,
+                     int hg0, int n_heads, float *out, float *part) {
+    for (int x = 0; x < 48; x++) {
+        if (lq[x] < 0) continue;
+        const int v = x / 16, i = x % 16;
+        if (part) {
+            float *st = part + ((lh[x] - hg0) * QT + lq[x]) * (HD + 2);
+            memcpy(st, O + x * HD, sizeof(float) * HD);
+            st[HD] = m[v][i];
+            st[HD + 1] = l[v][i];
+            continue;
+        }
+        float *dst = out + ((i0 + lq[x]) * n_heads + lh[x]) * HD;
+        const float inv = 1.f / l[v][i];
+        for (int e = 0; e < HD; e++) dst[e] = O[x * HD + e] * inv;
+    }
+}
+
 /* One work item: queries i0 .. i0 + nq - 1 of a chunk, the heads of kv head g. Scores are kept
  * transposed, S[key][query] with the queries across vector lanes, so the online softmax runs
  * lane-wise over keys (no horizontal max or sum), K rows are used as they lie in the cache (no
@@ -356,18 +436,18 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
     /* keys [start, end) are visible (window: from the first query's); a split item takes [k_lo, k_hi) of them */
     const int64_t first = first_key(first_pos + 1, window), start = first > k_lo ? first : k_lo;
     const int64_t end = first_pos + nq < k_hi ? first_pos + nq : k_hi;
-    v16 lane;
-    for (int i = 0; i < 16; i++) lane[i] = (float)i;
-    float Qt[HD * 48] __attribute__((aligned(64)));       /* [e][head v * 16 + query] */
+    const int packed = nq * group <= 48;
+    int lq[48], lh[48];
+    v16 qi[3];
+    float Qt[HD * 48] __attribute__((aligned(64)));       /* [e][lane] */
     float O[48 * HD] __attribute__((aligned(64)));        /* [head v * 16 + query][e] */
     float P[KT * 48] __attribute__((aligned(64)));        /* [key][head v * 16 + query] */
     float tile[2 * KT * HD] __attribute__((aligned(64)));  /* widened K then V rows (bf16 / int8) */
-    for (int h0 = g * group; h0 < (g + 1) * group; h0 += 3) {
-        const int NV = (g + 1) * group - h0 < 3 ? (g + 1) * group - h0 : 3;
-        for (int v = 0; v < NV; v++)
-            for (int i = 0; i < QT; i++)
-                for (int e = 0; e < HD; e++)
-                    Qt[e * 48 + v * 16 + i] = i < nq ? q[((i0 + i) * n_heads + h0 + v) * HD + e] * scale : 0.f;
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += packed ? group : 3) {
+        const int NV = map_lanes(packed, nq, group, h0, (g + 1) * group, lq, lh, qi);
+        for (int x = 0; x < 48; x++)
+            for (int e = 0; e < HD; e++)
+                Qt[e * 48 + x] = lq[x] < 0 ? 0.f : q[((i0 + lq[x]) * n_heads + lh[x]) * HD + e] * scale;
         memset(O, 0, sizeof(float) * 48 * HD);
         v16 m[3], l[3];
         for (int v = 0; v < 3; v++) { m[v] = splat(-INFINITY); l[v] = splat(0.f); }
@@ -392,42 +472,12 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
                         if (NV > 2) s[kk][2] += kv * q2;
                     }
                 }
-                for (int kk = 0; kk < QK_KEYS; kk++) {
-                    const int64_t t = k0 + j0 + kk;
-                    for (int v = 0; v < NV; v++) {
-                        v16 x = s[kk][v];
-                        if (j0 + kk >= nk) x = splat(-INFINITY);
-                        else if (t > first_pos) {                           /* causal: lane i sees t <= first_pos + i */
-                            const v16i hide = splat((float)(t - first_pos)) > lane;
-                            x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
-                        }
-                        if (window > 0 && t - first_pos + window - 1 < QT - 1) {  /* window: t > first_pos + i - window */
-                            const v16i hide = lane > splat((float)(t - first_pos + window - 1));
-                            x = (v16)((~hide & (v16i)x) | (hide & (v16i)splat(-INFINITY)));
-                        }
-                        store_f32(P + (j0 + kk) * 48 + 16 * v, x);
-                    }
-                }
+                for (int kk = 0; kk < QK_KEYS; kk++)
+                    for (int v = 0; v < NV; v++)
+                        store_f32(P + (j0 + kk) * 48 + 16 * v,
+                                  mask_scores(s[kk][v], j0 + kk, nk, k0 + j0 + kk, first_pos, window, qi[v]));
             }
-            /* online softmax, lane-wise */
-            for (int v = 0; v < NV; v++) {
-                v16 mx = m[v];
-                for (int j = 0; j < nk; j++) mx = vmax(mx, load_f32(P + j * 48 + 16 * v));
-                const v16 corr = vexp(m[v] - mx);                            /* exp(-inf) = 0 on the first tile */
-                m[v] = mx;
-                v16 sum = splat(0.f);
-                for (int j = 0; j < nk; j++) {
-                    const v16 pj = vexp(load_f32(P + j * 48 + 16 * v) - mx);
-                    sum += pj;
-                    store_f32(P + j * 48 + 16 * v, pj);
-                }
-                l[v] = l[v] * corr + sum;
-                for (int i = 0; i < QT; i++)
-                    if (corr[i] != 1.f) {
-                        float *o = O + (v * 16 + i) * HD;
-                        for (int c = 0; c < C; c++) store_f32(o + 16 * c, load_f32(o + 16 * c) * corr[i]);
-                    }
-            }
+            softmax_tile(P, nk, NV, m, l, O, HD);
             /* O[row] += sum_key P[key][row] V[key]: 4 rows x C vectors of accumulators (48 rows = 12 x 4) */
             for (int r = 0; r < NV * 16; r += 4) {
                 v16 a0[C], a1[C], a2[C], a3[C];
@@ -451,21 +501,129 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
                 }
             }
         }
-        for (int v = 0; v < NV; v++)
-            for (int i = 0; i < nq; i++) {
-                if (part) {         /* a split item: unnormalised output, max and sum, merged by merge_prefill */
-                    float *st = part + ((h0 + v - g * group) * QT + i) * (HD + 2);
-                    memcpy(st, O + (v * 16 + i) * HD, sizeof(float) * HD);
-                    st[HD] = m[v][i];
-                    st[HD + 1] = l[v][i];
-                    continue;
-                }
-                float *dst = out + ((i0 + i) * n_heads + h0 + v) * HD;
-                const float inv = 1.f / l[v][i];
-                for (int e = 0; e < HD; e++) dst[e] = O[(v * 16 + i) * HD + e] * inv;
-            }
+        item_out(O, m, l, lq, lh, HD, i0, g * group, n_heads, out, part);
     }
 }
+
+#if defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+/* ---- bfloat16 products (KV_BF16_DOT: a bf16 cache beside a model computing in bf16, on hosts with
+ * AVX512-BF16). The same item as prefill_item, with both products done by vdpbf16ps, which multiplies
+ * pairs of bf16 and adds them to float32 lanes: 32 multiply-adds an instruction against an FMA's 16.
+ * The queries (times the scale) and the softmax's probabilities are rounded to bf16 (as flash attention
+ * does on GPUs); K is read in place from the cache, V two keys interleaved per tile; sums stay float32.
+ * Not invariant to anything float32 promises: chosen only where the model's activations are bf16 anyway. */
+#define HAVE_BF16_DOTS 1
+#define TDOTS __attribute__((target("avx512bf16")))
+
+/* word indices interleaving a zmm's two halves: (lo[0], hi[0], lo[1], hi[1], ...) */
+#define PAIRS_IDX _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
+                                   23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+
+INLINE uint32_t bf16_bits(float x) {          /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+TDOTS INLINE void dots_item(const int HD, const float *q, float *out, const uint16_t *kc, const uint16_t *vc,
+                            const int64_t *table, int64_t ctx, int64_t q_len, int64_t i0, int nq, int g, int n_heads,
+                            int n_kv, int bs, float scale, int64_t k_lo, int64_t k_hi, float *part) {
+    const int group = n_heads / n_kv, C = HD / 16, E2 = HD / 2;
+    const int64_t first_pos = ctx - q_len + i0, row = (int64_t)n_kv * HD;
+    const int64_t end = first_pos + nq < k_hi ? first_pos + nq : k_hi;
+    const __m512i pairs = PAIRS_IDX;
+    const int packed = nq * group <= 48;
+    int lq[48], lh[48];
+    v16 qi[3];
+    uint32_t Q2[E2 * 48] __attribute__((aligned(64)));     /* [e / 2][lane]: q[e], q[e + 1] */
+    float O[48 * HD] __attribute__((aligned(64)));         /* [head v * 16 + query][e] */
+    float P[KT * 48] __attribute__((aligned(64)));         /* [key][head v * 16 + query] */
+    uint32_t P2[KT / 2 * 48] __attribute__((aligned(64))); /* [key / 2][row]: p of keys 2j, 2j + 1 */
+    uint32_t V2[KT / 2 * HD] __attribute__((aligned(64))); /* [key / 2][e]: V of keys 2j, 2j + 1 */
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += packed ? group : 3) {
+        const int NV = map_lanes(packed, nq, group, h0, (g + 1) * group, lq, lh, qi);
+        for (int x = 0; x < 48; x++) {
+            const float *qx = q + ((i0 + (lq[x] < 0 ? 0 : lq[x])) * n_heads + (lh[x] < 0 ? 0 : lh[x])) * HD;
+            for (int e = 0; e < E2; e++)
+                Q2[e * 48 + x] = lq[x] < 0 ? 0 : bf16_bits(qx[2 * e] * scale) | bf16_bits(qx[2 * e + 1] * scale) << 16;
+        }
+        memset(O, 0, sizeof(float) * 48 * HD);
+        v16 m[3], l[3];
+        for (int v = 0; v < 3; v++) { m[v] = splat(-INFINITY); l[v] = splat(0.f); }
+        for (int64_t k0 = k_lo; k0 < end; k0 += KT) {
+            const int nk = (int)(end - k0 < KT ? end - k0 : KT);
+            int64_t slot[KT];
+            slots_of(table, bs, k0, nk, slot);
+            for (int j = nk; j < KT; j++) slot[j] = slot[0];                /* masked below */
+            for (int j0 = 0; j0 < KT; j0 += QK_KEYS) {
+                const uint32_t *kr[QK_KEYS];
+                for (int kk = 0; kk < QK_KEYS; kk++) kr[kk] = (const uint32_t *)(kc + slot[j0 + kk] * row + g * HD);
+                __m512 s[QK_KEYS][3];
+                for (int kk = 0; kk < QK_KEYS; kk++) for (int v = 0; v < 3; v++) s[kk][v] = _mm512_setzero_ps();
+                for (int e = 0; e < E2; e++) {
+                    const __m512bh q0 = (__m512bh)_mm512_load_si512(Q2 + e * 48),
+                                   q1 = (__m512bh)_mm512_load_si512(Q2 + e * 48 + 16),
+                                   q2 = (__m512bh)_mm512_load_si512(Q2 + e * 48 + 32);
+                    for (int kk = 0; kk < QK_KEYS; kk++) {
+                        const __m512bh kv = (__m512bh)_mm512_set1_epi32((int)kr[kk][e]);
+                        s[kk][0] = _mm512_dpbf16_ps(s[kk][0], q0, kv);
+                        if (NV > 1) s[kk][1] = _mm512_dpbf16_ps(s[kk][1], q1, kv);
+                        if (NV > 2) s[kk][2] = _mm512_dpbf16_ps(s[kk][2], q2, kv);
+                    }
+                }
+                for (int kk = 0; kk < QK_KEYS; kk++)
+                    for (int v = 0; v < NV; v++)
+                        store_f32(P + (j0 + kk) * 48 + 16 * v,
+                                  mask_scores((v16)s[kk][v], j0 + kk, nk, k0 + j0 + kk, first_pos, 0, qi[v]));
+            }
+            softmax_tile(P, nk, NV, m, l, O, HD);
+            /* probabilities and V rows as bf16 pairs of consecutive keys (a key past the tile: 0) */
+            const int np = (nk + 1) / 2;
+            for (int j = 0; j < np; j++) {
+                for (int v = 0; v < NV; v++) {
+                    const __m512 a = _mm512_load_ps(P + 2 * j * 48 + 16 * v),
+                                 b = 2 * j + 1 < nk ? _mm512_load_ps(P + (2 * j + 1) * 48 + 16 * v) : _mm512_setzero_ps();
+                    _mm512_store_si512(P2 + j * 48 + 16 * v,
+                                       _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+                }
+                const uint16_t *va = vc + slot[2 * j] * row + g * HD, *vb = vc + slot[2 * j + 1] * row + g * HD;
+                for (int c = 0; c < C; c++) {
+                    const __m256i b = 2 * j + 1 < nk ? _mm256_loadu_si256((const __m256i *)(vb + 16 * c))
+                                                     : _mm256_setzero_si256();
+                    const __m512i ab = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + 16 * c))), b, 1);
+                    _mm512_store_si512(V2 + j * HD + 16 * c, _mm512_permutexvar_epi16(pairs, ab));
+                }
+            }
+            /* O[row] += sum_key P[key][row] V[key], two keys an instruction: 4 rows x C accumulators */
+            for (int r = 0; r < NV * 16; r += 4) {
+                __m512 a0[C], a1[C], a2[C], a3[C];
+                for (int c = 0; c < C; c++) {
+                    a0[c] = _mm512_load_ps(O + r * HD + 16 * c); a1[c] = _mm512_load_ps(O + (r + 1) * HD + 16 * c);
+                    a2[c] = _mm512_load_ps(O + (r + 2) * HD + 16 * c); a3[c] = _mm512_load_ps(O + (r + 3) * HD + 16 * c);
+                }
+                for (int j = 0; j < np; j++) {
+                    const uint32_t *pj = P2 + j * 48 + r;
+                    const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)pj[0]), w1 = (__m512bh)_mm512_set1_epi32((int)pj[1]),
+                                   w2 = (__m512bh)_mm512_set1_epi32((int)pj[2]), w3 = (__m512bh)_mm512_set1_epi32((int)pj[3]);
+                    for (int c = 0; c < C; c++) {
+                        const __m512bh vv = (__m512bh)_mm512_load_si512(V2 + j * HD + 16 * c);
+                        a0[c] = _mm512_dpbf16_ps(a0[c], vv, w0);
+                        a1[c] = _mm512_dpbf16_ps(a1[c], vv, w1);
+                        a2[c] = _mm512_dpbf16_ps(a2[c], vv, w2);
+                        a3[c] = _mm512_dpbf16_ps(a3[c], vv, w3);
+                    }
+                }
+                for (int c = 0; c < C; c++) {
+                    _mm512_store_ps(O + r * HD + 16 * c, a0[c]); _mm512_store_ps(O + (r + 1) * HD + 16 * c, a1[c]);
+                    _mm512_store_ps(O + (r + 2) * HD + 16 * c, a2[c]); _mm512_store_ps(O + (r + 3) * HD + 16 * c, a3[c]);
+                }
+            }
+        }
+        item_out(O, m, l, lq, lh, HD, i0, g * group, n_heads, out, part);
+    }
+}
+#endif
 
 /* Prefill work items (chunk, first query of a 16-query tile, kv head, first key, end of keys, split); a
  * chunk's last tiles see the most keys, so they are handed out first. A chunk of one tile (<= 16 queries:
@@ -560,27 +718,32 @@ static void merge_prefill(const pitem_t *items, int n_items, const float *parts,
                                const int64_t *block_tables, const int64_t *cu_q, const int64_t *context_lens,    \
                                float *out, int num_seqs, int n_heads, int n_kv, int hd, int bs, int max_blocks, \
                                float scale, int window) {                                                   \
-        int n_items;                                                                                        \
-        pitem_t *items = plan_prefill(cu_q, context_lens, num_seqs, n_kv, window, &n_items);               \
-        const int64_t per = (int64_t)(n_heads / n_kv) * QT * (hd + 2);                                    \
-        float *parts = NULL;                    /* split items' (output, max, sum): only when there are some */ \
-        for (int i = 0; i < n_items && !parts; i++)                                                         \
-            if (items[i].splits > 1) parts = malloc(sizeof(float) * per * n_items);                         \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(THREADS)")                               \
-        for (int i = 0; i < n_items; i++) {                                                                 \
-            const pitem_t it = items[i];                                                                    \
-            const int p = (int)it.p, g = (int)it.g;                                                         \
-            const int64_t i0 = it.i0, q_len = cu_q[p + 1] - cu_q[p];                                        \
-            const int nq = (int)(q_len - i0 < QT ? q_len - i0 : QT);                                        \
-            prefill_item(DT, HD_ ? HD_ : hd, q + cu_q[p] * n_heads * hd, out + cu_q[p] * n_heads * hd, kc, vc, \
-                         ks, vs, block_tables + (int64_t)p * max_blocks, context_lens[p], q_len, i0, nq, g,   \
-                         n_heads, n_kv, bs, scale, window, it.k_lo, it.k_hi,                                \
-                         it.splits > 1 ? parts + per * i : NULL);                                           \
-        }                                                                                                   \
-        if (parts) merge_prefill(items, n_items, parts, cu_q, out, n_heads, n_kv, hd);                      \
-        free(parts);                                                                                        \
-        free(items);                                                                                        \
+        PREFILL_LOOP(prefill_item(DT, HD_ ? HD_ : hd, q + cu_q[p] * n_heads * hd, out + cu_q[p] * n_heads * hd, \
+                                  kc, vc, ks, vs, block_tables + (int64_t)p * max_blocks, context_lens[p], q_len, \
+                                  i0, nq, g, n_heads, n_kv, bs, scale, window, it.k_lo, it.k_hi, part))     \
     }
+
+/* Every prefill item of the step in parallel (ITEM: one item's call, reading p, g, i0, q_len, nq, it and
+ * part, its split state or NULL), then the split items merged. */
+#define PREFILL_LOOP(ITEM)                                                                                  \
+    int n_items;                                                                                            \
+    pitem_t *items = plan_prefill(cu_q, context_lens, num_seqs, n_kv, window, &n_items);                   \
+    const int64_t per = (int64_t)(n_heads / n_kv) * QT * (hd + 2);                                        \
+    float *parts = NULL;                    /* split items' (output, max, sum): only when there are some */ \
+    for (int i = 0; i < n_items && !parts; i++)                                                             \
+        if (items[i].splits > 1) parts = malloc(sizeof(float) * per * n_items);                             \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(THREADS)")                                   \
+    for (int i = 0; i < n_items; i++) {                                                                     \
+        const pitem_t it = items[i];                                                                        \
+        const int p = (int)it.p, g = (int)it.g;                                                             \
+        const int64_t i0 = it.i0, q_len = cu_q[p + 1] - cu_q[p];                                            \
+        const int nq = (int)(q_len - i0 < QT ? q_len - i0 : QT);                                            \
+        float *part = it.splits > 1 ? parts + per * i : NULL;                                               \
+        ITEM;                                                                                               \
+    }                                                                                                       \
+    if (parts) merge_prefill(items, n_items, parts, cu_q, out, n_heads, n_kv, hd);                          \
+    free(parts);                                                                                            \
+    free(items);
 
 DEFINE_KERNELS(f32_64, KV_F32, 64)
 DEFINE_KERNELS(f32_128, KV_F32, 128)
@@ -592,6 +755,29 @@ DEFINE_KERNELS(i8_64, KV_I8, 64)
 DEFINE_KERNELS(i8_128, KV_I8, 128)
 DEFINE_KERNELS(i8_any, KV_I8, 0)
 
+#ifdef HAVE_BF16_DOTS
+#define DEFINE_DOTS(HD_)                                                                                   \
+    TDOTS static void prefill_dots_##HD_(const float *q, const void *kc, const void *vc, const int64_t *block_tables, \
+                                         const int64_t *cu_q, const int64_t *context_lens, float *out, int num_seqs, \
+                                         int n_heads, int n_kv, int hd, int bs, int max_blocks, float scale) {      \
+        const int window = 0;                                                                               \
+        PREFILL_LOOP(dots_item(HD_, q + cu_q[p] * n_heads * hd, out + cu_q[p] * n_heads * hd, kc, vc,       \
+                               block_tables + (int64_t)p * max_blocks, context_lens[p], q_len, i0, nq, g, n_heads, \
+                               n_kv, bs, scale, it.k_lo, it.k_hi, part))                                    \
+    }
+DEFINE_DOTS(64)
+DEFINE_DOTS(128)
+#endif
+
+/* Whether KV_BF16_DOT prefill runs dots_item here: an AVX-512 build on a host with AVX512-BF16. */
+int paged_attention_bf16_dots(void) {
+#ifdef HAVE_BF16_DOTS
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
 #define PICK(KIND, dt, hd)                                                                           \
     (dt == KV_F32 ? (hd == 64 ? KIND##_f32_64 : hd == 128 ? KIND##_f32_128 : KIND##_f32_any)         \
      : dt == KV_BF16 ? (hd == 64 ? KIND##_bf16_64 : hd == 128 ? KIND##_bf16_128 : KIND##_bf16_any)   \
@@ -602,6 +788,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                             const float *v_scale, int kv_dtype, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
                             int head_dim, int block_size, int max_blocks, float scale, int window) {
+    if (kv_dtype == KV_BF16_DOT) kv_dtype = KV_BF16;
     PICK(decode, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
                                      num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale, window);
 }
@@ -612,6 +799,17 @@ void paged_prefill_attention(const float *q, const void *k_cache, const void *v_
                              const float *v_scale, int kv_dtype, const int64_t *block_tables, const int64_t *cu_q,
                              const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
                              int head_dim, int block_size, int max_blocks, float scale, int window) {
+    if (kv_dtype == KV_BF16_DOT) {
+#ifdef HAVE_BF16_DOTS
+        if (!window && (head_dim == 64 || head_dim == 128) && paged_attention_bf16_dots()) {
+            (head_dim == 64 ? prefill_dots_64 : prefill_dots_128)(q, k_cache, v_cache, block_tables, cu_q,
+                                                                   context_lens, out, num_seqs, n_heads, n_kv,
+                                                                   head_dim, block_size, max_blocks, scale);
+            return;
+        }
+#endif
+        kv_dtype = KV_BF16;
+    }
     PICK(prefill, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_q, context_lens,
                                       out, num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale, window);
 }

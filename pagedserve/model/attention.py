@@ -60,6 +60,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None    # (P,) long
     native: bool = False                                 # the C kernels read the cache (decode rows)
     native_prefill: bool = False                         # ... and prefill chunks (kernels.native_prefill_pays)
+    bf16_dots: bool = False                              # ... multiplying in bf16 (kernels.bf16_dots: a bf16 model)
     triton: bool = False                                 # the Triton kernels write and read the cache
     max_decode_context: int | None = None                # host-side maxima: Triton's grids without a sync
     max_prefill_q: int | None = None
@@ -163,7 +164,8 @@ def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=N
     None: the C kernel where md.native_prefill says it pays, else SDPA over each gathered context."""
     if md.native_prefill if native is None else native:
         return kernels.paged_prefill_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.prefill_block_tables,
-                                               md.prefill_cu_q, md.prefill_context_lens, scale, out, window=window)
+                                               md.prefill_cu_q, md.prefill_context_lens, scale, out, window=window,
+                                               bf16_dots=md.bf16_dots)
     out = torch.empty_like(q) if out is None else out
     bs = kv.k.shape[1]
     cu = md.prefill_cu_q.tolist()

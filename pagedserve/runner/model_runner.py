@@ -73,6 +73,9 @@ class ModelRunner:
         if self.use_native:
             kernels.set_threads(torch.get_num_threads())
         self.native_prefill = self.use_native and kernels.native_prefill_pays()
+        # a bf16 model on a bf16 cache: prefill attention may multiply in bf16 too (its activations are)
+        self.bf16_dots = (self.native_prefill and self.dtype == self.kv_dtype == torch.bfloat16
+                          and kernels.bf16_dots())
         self.lora: LoRASlots | None = None            # LoRA adapters (enable_lora)
         self.drafter = None                           # runner.draft_runner.DraftRunner (speculative draft_model)
         self.graphs: DecodeGraphs | None = None       # decode steps replayed from CUDA graphs
@@ -207,7 +210,8 @@ class ModelRunner:
         mds = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.long), len(dec_lens),
                                  _padded(dec_tables[g]) if dec_lens else None, dec_t,
                                  _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
-                                 native=self.use_native, native_prefill=self.native_prefill, triton=self.use_triton,
+                                 native=self.use_native, native_prefill=self.native_prefill,
+                                 bf16_dots=self.bf16_dots, triton=self.use_triton,
                                  **maxima)
                for g in range(G)]
         md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]

@@ -143,6 +143,69 @@ def test_prefill_kernel_matches_reference(level, dt, shape):
         assert (got[cu[p]:cu[p + 1]] - ref).abs().max().item() < 2e-5, f"chunk {p} ({a} of {n})"
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prefill_in_bf16_products_is_the_reference_within_bf16_rounding(level, shape):
+    """bf16_dots (a bf16 model on a bf16 cache): where the build and host have AVX512-BF16, vdpbf16ps does both
+    products, the queries (times the scale) and the probabilities rounded to bf16. Against the reference in
+    float64 over the same rounded queries: within what rounding the probabilities costs (2^-9 of each, so
+    2^-8 of max |v| bounds the output's error) on every chunk shape, lone chunks split over a long prefix
+    included. Where the dots do not run (AVX2 builds, hosts without AVX512-BF16, head dims other than 64 and
+    128, sliding windows) the call is the float32-product kernel's, bit for bit."""
+    lib = kernels.load(level)
+    nh, nkv, hd, bs = shape
+    g = torch.Generator().manual_seed(zlib.crc32(f"dots {level} {shape}".encode()))
+    chunks = [(40, 40), (37, 70), (1, 20), (300, 700), (17, 33), (16, 1500), (5, 2100)]
+    lens = [n for _, n in chunks]
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, torch.bfloat16, g)
+    bt = _tables(lens, bs, nb, g)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
+    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
+    args = (q, layer.k, layer.v, None, None, bt, cu, torch.tensor(lens), 0.2)
+    got = kernels.paged_prefill_attention(*args, lib=lib, bf16_dots=True)
+    plain = kernels.paged_prefill_attention(*args, lib=lib)
+    if not (kernels.bf16_dots(lib) and hd in (64, 128)):
+        assert torch.equal(got, plain)
+        return
+    assert not torch.equal(got, plain)                        # the bf16 products ran
+    qr = (q * 0.2).bfloat16().double()
+    kf, vf = layer.k.double(), layer.v.double()
+    for p, (a, n) in enumerate(chunks):
+        k = kf[bt[p]].flatten(0, 1)[:n].transpose(0, 1)
+        v = vf[bt[p]].flatten(0, 1)[:n].transpose(0, 1)
+        mask = torch.arange(n)[None] <= torch.arange(n - a, n)[:, None]
+        ref = F.scaled_dot_product_attention(qr[cu[p]:cu[p + 1]].transpose(0, 1)[None], k[None], v[None],
+                                             attn_mask=mask, scale=1.0, enable_gqa=True)[0].transpose(0, 1)
+        err = (got[cu[p]:cu[p + 1]].double() - ref).abs().max().item()
+        assert err < 2 ** -8 * vf.abs().max().item(), f"chunk {p} ({a} of {n}): {err}"
+    windowed = kernels.paged_prefill_attention(*args, lib=lib, window=50, bf16_dots=True)
+    assert torch.equal(windowed, kernels.paged_prefill_attention(*args, lib=lib, window=50))
+
+
+@pytest.mark.parametrize("dt,dots", [(dt, False) for dt in DTYPES] + [(torch.bfloat16, True)],
+                         ids=["float32", "bfloat16", "int8", "bfloat16-bf16-products"])
+def test_a_short_chunks_packed_lanes_compute_the_unpacked_bits(dt, dots):
+    """A chunk's tile whose group x queries fit 48 lanes packs them (5 queries of a group of 3: one vector, not
+    three): each lane's arithmetic is the same wherever it sits, so the output is, bit for bit, that of the
+    same heads with their K/V repeated per query head (a group of one: a lane per query, nothing packed)."""
+    nh, nkv, hd, bs = SHAPES[0]
+    g = torch.Generator().manual_seed(zlib.crc32(f"packed {dt}".encode()))
+    chunks = [(1, 1500), (5, 700), (7, 900), (11, 40), (16, 2000), (21, 600)]
+    lens = [n for _, n in chunks]
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
+    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
+    rep = [None if t is None else t.repeat_interleave(nh // nkv, dim=2).contiguous()
+           for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)]
+    tail = (bt, cu, torch.tensor(lens), 0.2)
+    gqa = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, *tail, bf16_dots=dots)
+    mha = kernels.paged_prefill_attention(q, *rep, *tail, bf16_dots=dots)
+    assert torch.equal(gqa, mha)
+
+
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_native_and_torch_paths_agree_on_a_mixed_step(dt):
     """paged_attention on one step of decodes + prefill chunks: the kernels and the torch path."""
