@@ -130,6 +130,8 @@ def main():
     ap.add_argument("--batch-out", type=int, default=256)
     ap.add_argument("--itl-factor", type=float, default=1.5)
     ap.add_argument("--ttft-factor", type=float, default=2.0)
+    ap.add_argument("--targets", default=None, help="ITL,TTFT p99 targets in ms for the classes run instead of the "
+                                                  "factors x the idle run's (A/B runs of trees: the same targets)")
     ap.add_argument("--batch-class", default="{}", help="extra keys of the batch class, JSON (e.g. max_running)")
     ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags for every run")
     ap.add_argument("--runs", default="idle,priority,classes")
@@ -145,8 +147,9 @@ def main():
         extra = []
         if name == "classes":
             ref = idle or {"itl_p99_ms": 150.0, "ttft_p99_ms": 1000.0}
-            classes = [{"name": "interactive", "priority": 0, "itl_p99_ms": round(a.itl_factor * ref["itl_p99_ms"], 1),
-                        "ttft_p99_ms": round(a.ttft_factor * ref["ttft_p99_ms"], 1)},
+            itl, ttft = (a.itl_factor * ref["itl_p99_ms"], a.ttft_factor * ref["ttft_p99_ms"]) if a.targets is None \
+                else map(float, a.targets.split(","))
+            classes = [{"name": "interactive", "priority": 0, "itl_p99_ms": round(itl, 1), "ttft_p99_ms": round(ttft, 1)},
                        {"name": "batch", "priority": 10, **json.loads(a.batch_class)}]
             extra = ["--traffic-classes", json.dumps(classes)]
         srv, base = serve(common + extra)
