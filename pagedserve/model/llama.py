@@ -529,7 +529,8 @@ class FusedDecode:
         decodes = (bt.data_ptr(), bt.shape[1], md.decode_context_lens.data_ptr()) if md.num_decodes else (None, 0, None)
         chunks = None if not md.num_prefills else kernels.Chunks(
             md.prefill_block_tables.data_ptr(), md.prefill_cu_q.data_ptr(), md.prefill_context_lens.data_ptr(),
-            md.num_prefills, md.prefill_block_tables.shape[1], kernels.prefill_kv_code(kv_caches[0].k.dtype, md.bf16_dots))
+            md.num_prefills, md.prefill_block_tables.shape[1],
+            kernels.prefill_kv_code(kv_caches[0].k.dtype, md.bf16_dots))
         row_slot = None if lora is None else (ctypes.c_int32 * x.shape[0])(*lora.decode_slots)
         with self._lock:
             self._bind(kv_caches)
