@@ -54,6 +54,18 @@ def _tables(lens, bs, nb, g):
     return bt
 
 
+def _chunked_step(chunks, shape, dt, g):
+    """A cache holding the contexts of prefill chunks [(q_len, context incl. the chunk)], their block tables,
+    cu_q, context lengths and queries."""
+    nh, nkv, hd, bs = shape
+    lens = [n for _, n in chunks]
+    nb = sum(-(-n // bs) for n in lens) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    bt = _tables(lens, bs, nb, g)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
+    return layer, bt, cu, torch.tensor(lens), torch.randn(int(cu[-1]), nh, hd, generator=g)
+
+
 SHAPES = [  # (n_heads, n_kv, head_dim, block_size)
     (9, 3, 64, 16), (4, 4, 32, 5), (8, 2, 128, 32), (4, 2, 80, 7)]     # 80: a head past 64 dims, not 128
 
@@ -127,17 +139,11 @@ def test_a_decode_rows_result_does_not_depend_on_the_rest_of_the_batch(dt):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_prefill_kernel_matches_reference(level, dt, shape):
     lib = kernels.load(level)
-    nh, nkv, hd, bs = shape
     g = torch.Generator().manual_seed(zlib.crc32(f"prefill {level} {dt} {shape}".encode()))
     chunks = [(40, 40), (37, 70), (1, 20), (300, 700), (17, 33), (16, 16)]   # (q_len, context incl. the chunk)
-    lens = [n for _, n in chunks]
-    nb = sum(-(-n // bs) for n in lens) + 3
-    layer = _cache(nb, bs, nkv, hd, dt, g)
-    bt = _tables(lens, bs, nb, g)
-    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
-    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
-    got = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt, cu,
-                                          torch.tensor(lens), 0.2, lib=lib)
+    layer, bt, cu, lens, q = _chunked_step(chunks, shape, dt, g)
+    got = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt, cu, lens, 0.2,
+                                          lib=lib)
     for p, (a, n) in enumerate(chunks):
         ref = _reference(q[cu[p]:cu[p + 1]], layer, bt[p], n, 0.2)
         assert (got[cu[p]:cu[p + 1]] - ref).abs().max().item() < 2e-5, f"chunk {p} ({a} of {n})"
@@ -153,16 +159,11 @@ def test_prefill_in_bf16_products_is_the_reference_within_bf16_rounding(level, s
     included. Where the dots do not run (AVX2 builds, hosts without AVX512-BF16, head dims other than 64 and
     128, sliding windows) the call is the float32-product kernel's, bit for bit."""
     lib = kernels.load(level)
-    nh, nkv, hd, bs = shape
+    hd = shape[2]
     g = torch.Generator().manual_seed(zlib.crc32(f"dots {level} {shape}".encode()))
     chunks = [(40, 40), (37, 70), (1, 20), (300, 700), (17, 33), (16, 1500), (5, 2100)]
-    lens = [n for _, n in chunks]
-    nb = sum(-(-n // bs) for n in lens) + 3
-    layer = _cache(nb, bs, nkv, hd, torch.bfloat16, g)
-    bt = _tables(lens, bs, nb, g)
-    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
-    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
-    args = (q, layer.k, layer.v, None, None, bt, cu, torch.tensor(lens), 0.2)
+    layer, bt, cu, lens, q = _chunked_step(chunks, shape, torch.bfloat16, g)
+    args = (q, layer.k, layer.v, None, None, bt, cu, lens, 0.2)
     got = kernels.paged_prefill_attention(*args, lib=lib, bf16_dots=True)
     plain = kernels.paged_prefill_attention(*args, lib=lib)
     if not (kernels.bf16_dots(lib) and hd in (64, 128)):
@@ -189,18 +190,13 @@ def test_a_short_chunks_packed_lanes_compute_the_unpacked_bits(dt, dots):
     """A chunk's tile whose group x queries fit 48 lanes packs them (5 queries of a group of 3: one vector, not
     three): each lane's arithmetic is the same wherever it sits, so the output is, bit for bit, that of the
     same heads with their K/V repeated per query head (a group of one: a lane per query, nothing packed)."""
-    nh, nkv, hd, bs = SHAPES[0]
+    nh, nkv = SHAPES[0][:2]
     g = torch.Generator().manual_seed(zlib.crc32(f"packed {dt}".encode()))
     chunks = [(1, 1500), (5, 700), (7, 900), (11, 40), (16, 2000), (21, 600)]
-    lens = [n for _, n in chunks]
-    nb = sum(-(-n // bs) for n in lens) + 3
-    layer = _cache(nb, bs, nkv, hd, dt, g)
-    bt = _tables(lens, bs, nb, g)
-    cu = torch.tensor([0] + torch.cumsum(torch.tensor([a for a, _ in chunks]), 0).tolist())
-    q = torch.randn(int(cu[-1]), nh, hd, generator=g)
+    layer, bt, cu, lens, q = _chunked_step(chunks, SHAPES[0], dt, g)
     rep = [None if t is None else t.repeat_interleave(nh // nkv, dim=2).contiguous()
            for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)]
-    tail = (bt, cu, torch.tensor(lens), 0.2)
+    tail = (bt, cu, lens, 0.2)
     gqa = kernels.paged_prefill_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, *tail, bf16_dots=dots)
     mha = kernels.paged_prefill_attention(q, *rep, *tail, bf16_dots=dots)
     assert torch.equal(gqa, mha)
