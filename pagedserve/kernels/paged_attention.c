@@ -24,7 +24,7 @@
 #include "vec16.h"
 
 /* KV_BF16_DOT: a bf16 cache whose prefill products may be bf16 too (dots_item, where the host has
- * AVX512-BF16; KV_BF16 elsewhere and in decode) */
+ * AVX512-BF16; KV_BF16 elsewhere); prefill only: decode always gets the cache's own format */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_BF16_DOT = 3 };
 
 DEFINE_SET_THREADS(paged_attention_set_threads)
@@ -390,9 +390,12 @@ INLINE void softmax_tile(float *P, int nk, int NV, v16 *m, v16 *l, float *O, int
  * rows fit the 48 lanes (group x nq <= 48) one pass packs them (lane = head * nq + query) in as few
  * vectors as they fill, so a short chunk at a long context costs what its rows need, not a full tile's
  * 48 lanes (5 queries of a group of 3: one vector). Each lane's arithmetic is the same wherever it
- * sits: packing changes no bit. Returns the pass's vectors. */
-INLINE int map_lanes(int packed, int nq, int group, int h0, int hg1, int *lq, int *lh, v16 *qi) {
+ * sits: packing changes no bit. The pass from head h0 of the group's [.., hg1): returns its vectors,
+ * *heads the heads it covers. */
+INLINE int map_lanes(int nq, int group, int h0, int hg1, int *lq, int *lh, v16 *qi, int *heads) {
+    const int packed = nq * group <= 48;
     const int NV = packed ? (nq * group + 15) / 16 : hg1 - h0 < 3 ? hg1 - h0 : 3;
+    *heads = packed ? group : NV;
     for (int x = 0; x < 48; x++) {
         const int v = x / 16, i = x % 16;
         lq[x] = packed ? (x < nq * group ? x % nq : -1) : v < NV && i < nq ? i : -1;
@@ -436,15 +439,14 @@ INLINE void prefill_item(const int dt, const int HD, const float *q, float *out,
     /* keys [start, end) are visible (window: from the first query's); a split item takes [k_lo, k_hi) of them */
     const int64_t first = first_key(first_pos + 1, window), start = first > k_lo ? first : k_lo;
     const int64_t end = first_pos + nq < k_hi ? first_pos + nq : k_hi;
-    const int packed = nq * group <= 48;
-    int lq[48], lh[48];
+    int lq[48], lh[48], heads;
     v16 qi[3];
     float Qt[HD * 48] __attribute__((aligned(64)));       /* [e][lane] */
     float O[48 * HD] __attribute__((aligned(64)));        /* [head v * 16 + query][e] */
     float P[KT * 48] __attribute__((aligned(64)));        /* [key][head v * 16 + query] */
     float tile[2 * KT * HD] __attribute__((aligned(64)));  /* widened K then V rows (bf16 / int8) */
-    for (int h0 = g * group; h0 < (g + 1) * group; h0 += packed ? group : 3) {
-        const int NV = map_lanes(packed, nq, group, h0, (g + 1) * group, lq, lh, qi);
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += heads) {
+        const int NV = map_lanes(nq, group, h0, (g + 1) * group, lq, lh, qi, &heads);
         for (int x = 0; x < 48; x++)
             for (int e = 0; e < HD; e++)
                 Qt[e * 48 + x] = lq[x] < 0 ? 0.f : q[((i0 + lq[x]) * n_heads + lh[x]) * HD + e] * scale;
@@ -532,20 +534,19 @@ TDOTS INLINE void dots_item(const int HD, const float *q, float *out, const uint
     const int64_t first_pos = ctx - q_len + i0, row = (int64_t)n_kv * HD;
     const int64_t end = first_pos + nq < k_hi ? first_pos + nq : k_hi;
     const __m512i pairs = PAIRS_IDX;
-    const int packed = nq * group <= 48;
-    int lq[48], lh[48];
+    int lq[48], lh[48], heads;
     v16 qi[3];
     uint32_t Q2[E2 * 48] __attribute__((aligned(64)));     /* [e / 2][lane]: q[e], q[e + 1] */
     float O[48 * HD] __attribute__((aligned(64)));         /* [head v * 16 + query][e] */
     float P[KT * 48] __attribute__((aligned(64)));         /* [key][head v * 16 + query] */
     uint32_t P2[KT / 2 * 48] __attribute__((aligned(64))); /* [key / 2][row]: p of keys 2j, 2j + 1 */
     uint32_t V2[KT / 2 * HD] __attribute__((aligned(64))); /* [key / 2][e]: V of keys 2j, 2j + 1 */
-    for (int h0 = g * group; h0 < (g + 1) * group; h0 += packed ? group : 3) {
-        const int NV = map_lanes(packed, nq, group, h0, (g + 1) * group, lq, lh, qi);
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += heads) {
+        const int NV = map_lanes(nq, group, h0, (g + 1) * group, lq, lh, qi, &heads);
         for (int x = 0; x < 48; x++) {
-            const float *qx = q + ((i0 + (lq[x] < 0 ? 0 : lq[x])) * n_heads + (lh[x] < 0 ? 0 : lh[x])) * HD;
+            const float *qx = lq[x] < 0 ? NULL : q + ((i0 + lq[x]) * n_heads + lh[x]) * HD;
             for (int e = 0; e < E2; e++)
-                Q2[e * 48 + x] = lq[x] < 0 ? 0 : bf16_bits(qx[2 * e] * scale) | bf16_bits(qx[2 * e + 1] * scale) << 16;
+                Q2[e * 48 + x] = qx ? bf16_bits(qx[2 * e] * scale) | bf16_bits(qx[2 * e + 1] * scale) << 16 : 0;
         }
         memset(O, 0, sizeof(float) * 48 * HD);
         v16 m[3], l[3];
@@ -788,7 +789,6 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                             const float *v_scale, int kv_dtype, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int num_seqs, int n_heads, int n_kv,
                             int head_dim, int block_size, int max_blocks, float scale, int window) {
-    if (kv_dtype == KV_BF16_DOT) kv_dtype = KV_BF16;
     PICK(decode, kv_dtype, head_dim)(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
                                      num_seqs, n_heads, n_kv, head_dim, block_size, max_blocks, scale, window);
 }
