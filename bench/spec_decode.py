@@ -4,7 +4,10 @@ free-form chat workload, greedy, each request alone (one stream), in one run (ra
 rate, draft tokens and whether the greedy outputs are identical to decoding without drafts.
 
 Each configuration runs in its own process (its own start-up, the adaptive rule's measured step
-costs). A configuration is DTYPE:QUANT[:SPEC[:seeded]], SPEC one of off | adaptive | always (n-gram,
+costs); with --paired, an off configuration and those after it up to the next off share one process
+(each engine its own start-up and measured costs, the weights shared), prompt by prompt in turn: on
+this kind of host one process's speed differs from another's by up to ~15 %, more than the ratios
+measured need. A configuration is DTYPE:QUANT[:SPEC[:seeded]], SPEC one of off | adaptive | always (n-gram,
 k = --k) | draft | draft-always (method draft_model with --draft: a model path, or a number N for the
 bundled model's first N layers written by bench/truncated_draft.py into a temporary folder).
 --temperature T > 0 samples instead (top-p 0.95): unseeded requests get a draft model's proposals
@@ -12,7 +15,7 @@ sampled from its distribution and verified by full rejection sampling; `seeded` 
 seed, so a draft model proposes its argmax (and the outputs must equal those without drafts).
 
 Usage: python bench/spec_decode.py [--configs auto:auto:off,auto:auto:adaptive,...] [--tokens 128]
-           [--k 4] [--workloads grounded,chat] [--draft 8] [--temperature 0] [--json out.json]
+           [--k 4] [--workloads grounded,chat] [--draft 8] [--temperature 0] [--paired] [--json out.json]
 """
 import argparse
 import json
@@ -74,8 +77,7 @@ def draft_path(draft: str) -> str:
     return path
 
 
-def run(config: str, tokens: int, k: int, workloads: list[str], draft: str | None = None,
-        draft_quant: str | None = None, temperature: float = 0.0) -> dict:
+def make_llm(config: str, k: int, draft: str | None = None, draft_quant: str | None = None):
     from pagedserve import LLM, SamplingParams
     dtype, quant, spec, seeded = (config.split(":") + ["off", ""])[:4]
     if spec.startswith("draft"):
@@ -87,29 +89,41 @@ def run(config: str, tokens: int, k: int, workloads: list[str], draft: str | Non
     t0 = time.perf_counter()
     llm = LLM(num_kv_blocks=512, dtype=dtype, quantization=quant, speculative_config=sc)
     load_s = time.perf_counter() - t0
-    eng = llm.engine
-    def sp(i: int) -> SamplingParams:
+    llm.generate([{"prompt_token_ids": prompt_ids(["Hi"])[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    return llm, seeded == "seeded", load_s
+
+
+def run(configs: list[str], tokens: int, k: int, workloads: list[str], draft: str | None = None,
+        draft_quant: str | None = None, temperature: float = 0.0) -> list[dict]:
+    """The configs in one process, prompt by prompt in turn (each request alone): their ratios free of
+    what differs between processes."""
+    from pagedserve import SamplingParams
+    llms = [make_llm(c, k, draft, draft_quant) for c in configs]
+
+    def sp(i: int, seeded: bool) -> SamplingParams:
         if temperature <= 0:
             return SamplingParams(max_tokens=tokens, temperature=0.0)
         return SamplingParams(max_tokens=tokens, temperature=temperature, top_p=0.95,
-                              seed=1000 + i if seeded == "seeded" else None)
-    llm.generate([{"prompt_token_ids": prompt_ids(["Hi"])[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
-    out = {"config": config, "load_s": round(load_s, 2), "workloads": {}}
+                              seed=1000 + i if seeded else None)
+    outs = [{"config": c, "load_s": round(load_s, 2), "workloads": {}} for c, (_, _, load_s) in zip(configs, llms)]
     for w in workloads:
-        stats = eng.scheduler.spec_stats
-        d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
-        n_tok, secs, outputs = 0, 0.0, []
+        acc = [{"tokens": 0, "secs": 0.0, "outputs": [], "d0": llm.engine.scheduler.spec_stats.num_draft_tokens,
+                "a0": llm.engine.scheduler.spec_stats.num_accepted_tokens} for llm, _, _ in llms]
         for i, ids in enumerate(prompt_ids(GROUNDED if w == "grounded" else CHAT)):
-            t = time.perf_counter()
-            o = llm.generate([{"prompt_token_ids": ids}], sp(i), use_tqdm=False)[0].outputs[0]
-            secs += time.perf_counter() - t
-            n_tok += len(o.token_ids)
-            outputs.append(o.token_ids)
-        drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
-        out["workloads"][w] = {"tok_s": round(n_tok / secs, 2), "tokens": n_tok, "seconds": round(secs, 2),
-                               "draft_tokens": drafted, "accepted": accepted,
-                               "acceptance": round(accepted / drafted, 3) if drafted else None, "outputs": outputs}
-    return out
+            for (llm, seeded, _), a in zip(llms, acc):
+                t = time.perf_counter()
+                o = llm.generate([{"prompt_token_ids": ids}], sp(i, seeded), use_tqdm=False)[0].outputs[0]
+                a["secs"] += time.perf_counter() - t
+                a["tokens"] += len(o.token_ids)
+                a["outputs"].append(o.token_ids)
+        for (llm, _, _), a, out in zip(llms, acc, outs):
+            stats = llm.engine.scheduler.spec_stats
+            drafted, accepted = stats.num_draft_tokens - a["d0"], stats.num_accepted_tokens - a["a0"]
+            out["workloads"][w] = {"tok_s": round(a["tokens"] / a["secs"], 2), "tokens": a["tokens"],
+                                   "seconds": round(a["secs"], 2), "draft_tokens": drafted, "accepted": accepted,
+                                   "acceptance": round(accepted / drafted, 3) if drafted else None,
+                                   "outputs": a["outputs"]}
+    return outs
 
 
 def main():
@@ -123,18 +137,29 @@ def main():
     ap.add_argument("--draft-quantization", default=None, help="the draft's speculative_config quantization")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--paired", action="store_true",
+                    help="each round's configs in one process, prompt by prompt in turn (rounds: off restarts one)")
     a = ap.parse_args()
     workloads = a.workloads.split(",")
     if a.child:
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
-        print("RESULT " + json.dumps(run(a.child, a.tokens, a.k, workloads, a.draft, a.draft_quantization,
+        print("RESULT " + json.dumps(run(a.child.split("+"), a.tokens, a.k, workloads, a.draft, a.draft_quantization,
                                          a.temperature)), flush=True)
         return
     from pagedserve.host import describe
     print(f"host: {describe()}")
     results = []
-    for c in a.configs.split(","):
+    configs = a.configs.split(",")
+    if a.paired:            # a round: an off config and the ones after it up to the next off
+        rounds, cur = [], []
+        for c in configs:
+            if (c.split(":") + ["off"])[2] == "off" and cur:
+                rounds.append(cur)
+                cur = []
+            cur.append(c)
+        configs = ["+".join(r) for r in rounds + [cur]]
+    for c in configs:
         p = subprocess.run([sys.executable, __file__, "--child", c, "--tokens", str(a.tokens), "--k", str(a.k),
                             "--workloads", a.workloads, "--draft", a.draft, "--temperature", str(a.temperature)]
                            + (["--draft-quantization", a.draft_quantization] if a.draft_quantization else []),
@@ -143,7 +168,7 @@ def main():
         if not line:
             print(p.stdout[-2000:], p.stderr[-4000:])
             raise SystemExit(f"{c} failed")
-        results.append(json.loads(line[0][7:]))
+        results.extend(json.loads(line[0][7:]))
     def key(config: str) -> str:                 # the off run it is compared with: DTYPE:QUANT and seededness
         parts = config.split(":")
         return ":".join(parts[:2]) + (":seeded" if parts[3:4] == ["seeded"] else "")

@@ -56,6 +56,7 @@ class Request:
     pooled_done: int = 0                         # prompt positions whose hidden states were pooled (never twice)
     spec_tried: float = 0.0                      # speculative decoding: draft tokens tried, decayed (spec_decode.py)
     spec_accepted: float = 0.0                   # ... and accepted
+    spec_length: int = 0                         # the n-gram length of its latest draft (0: a draft model's)
     num_draft_computed: int = 0                  # speculative draft_model: positions the draft model's KV holds
     lora_id: int = 0                             # its LoRA adapter (the engine's id for it; 0: the base model)
     # timestamps (monotonic seconds) for latency metrics

@@ -24,7 +24,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, SpecStats, choose_drafts, \
-    propose_ngram, update_acceptance
+    ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
 from pagedserve.core.traffic import ITL_HEADROOM, TTFT_STEP_SHARE, TrafficClasses
@@ -215,6 +215,7 @@ class Scheduler:
             for i, n in chosen.items():
                 if self.kv.allocate_slots(cands[i].request, 1 + n):
                     out[cands[i].request.request_id] = tuple(cands[i].draft[:n])
+                    cands[i].request.spec_length = cands[i].length
         if not out:
             self.spec_prior.idle_step(base_s if plan else 0.0)
         return out
@@ -255,14 +256,14 @@ class Scheduler:
                 continue
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
                        self.cfg.max_model_len - req.num_tokens - 1)
-            setup = 0.0
+            setup, length = 0.0, 0
             if spec.method == "draft_model":    # the runner's draft model proposes them (ScheduledSeq.draft_prefix)
                 draft = [DRAFT_PENDING] * room
                 setup = self._reading_s(req)
             else:
-                draft = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+                draft, length = ngram_match(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
             if draft:
-                cands.append(Candidate(req, draft, self.spec_prior.of(req), setup))
+                cands.append(Candidate(req, draft, self.spec_prior.of(req, length), setup, length))
         return cands
 
     def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
@@ -523,7 +524,7 @@ class Scheduler:
         to the pool; its tokens are applied one by one while it runs."""
         accepted = len(tokens) - 1
         self.spec_stats.record(s.num_draft, accepted)
-        self.spec_prior.update(s.num_draft, accepted)
+        self.spec_prior.update(s.num_draft, accepted, req.spec_length)
         update_acceptance(req, s.num_draft, accepted)
         req.num_computed_tokens = s.start + 1 + accepted
         if s.draft_prefix is not None:   # the draft model read up to its last draft's input (not the draft itself)

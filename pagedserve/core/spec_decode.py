@@ -4,7 +4,9 @@ accepted_run).
 
 The rule (adaptive): a draft token is worth its row when the tokens it is expected to add raise the
 step's tokens per second. For sequence j with acceptance estimate a_j, its i-th draft token is
-accepted (and so adds a token) with probability a_j^i. Candidates are sorted by that probability
+accepted (and so adds a token) with probability a_j^i. a_j (AcceptancePrior.of) is the sequence's own
+recent acceptance, shrunk toward the engine-wide rate of drafts like this one: for n-gram drafts, those
+proposed by an n-gram of the same length. Candidates are sorted by that probability
 and the step takes the prefix m that maximises
 
     (tokens the step yields without drafts + sum of the first m probabilities) / T(rows + m)
@@ -47,10 +49,16 @@ SETUP_HORIZON = 128         # a draft model's reading is spread over at most thi
 
 def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest n-gram (n_max down to
-    n_min) ending `tokens`; [] when none occurred before. Searched as bytes (C speed): 4 per token."""
+    n_min) ending `tokens`; [] when none occurred before."""
+    return ngram_match(tokens, n_min, n_max, k)[0]
+
+
+def ngram_match(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
+    """propose_ngram's tokens and the length n of the n-gram that found them (0: none). Searched as
+    bytes (C speed): 4 per token."""
     L = len(tokens)
     if L < n_min + 1 or k < 1:
-        return []
+        return [], 0
     buf = array("i", tokens).tobytes()
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         pat = buf[4 * (L - n):]
@@ -61,9 +69,9 @@ def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int
                 break
             if at % 4 == 0:
                 j = at // 4 + n              # the token after the match
-                return tokens[j:j + k]
+                return tokens[j:j + k], n
             end = at + len(pat) - 1         # a misaligned hit: look further left
-    return []
+    return [], 0
 
 
 @dataclass(slots=True)
@@ -101,6 +109,7 @@ class Candidate:
     draft: list[int]
     acceptance: float
     setup_s: float = 0.0            # a draft model's reading of the context its KV lacks: this step's share
+    length: int = 0                 # the n-gram that proposed it (0: a draft model's)
 
 
 def choose_drafts(cands: list[Candidate], base_rows: int, base_tokens: int, cost: StepCostTable | None,
@@ -165,25 +174,43 @@ def update_acceptance(req, num_draft: int, num_accepted: int) -> None:
 class AcceptancePrior:
     """The engine-wide acceptance of draft tokens: what a sequence's estimate starts from. It follows
     every verified draft and, while no sequence drafts (the rule found none worth it), drifts back
-    toward its method's PRIOR_ACCEPTANCE, so a workload whose drafts once failed is tried again later."""
+    toward its method's PRIOR_ACCEPTANCE, so a workload whose drafts once failed is tried again later.
+
+    N-gram drafts are also counted by the length of the n-gram that proposed them: how long a match is
+    says more about its continuation than anything else (measured on our grounded and chat prompts,
+    tokens accepted of 8 proposed: a 1-token match 0.6, 2 tokens 1.9-3.9, 3 tokens 2.6-6.2, 8 tokens
+    4.2-6.9), so a candidate's estimate starts from its length's rate (which starts from the engine-wide
+    one)."""
 
     prior: float = PRIOR_ACCEPTANCE["ngram"]
     tried: float = 0.0
     accepted: float = 0.0
     idle_steps: int = 0             # steps since the last draft
     idle_s: float = 0.0             # their step time (as the cost table has it)
+    by_length: dict[int, list[float]] = field(default_factory=dict)   # n-gram length -> [tried, accepted]
 
     @property
     def rate(self) -> float:
         return (self.accepted + 4 * self.prior) / (self.tried + 4)
 
-    def update(self, num_draft: int, num_accepted: int) -> None:
+    def rate_of(self, length: int) -> float:
+        """The acceptance of drafts an n-gram of this length proposed (0: any draft)."""
+        counts = self.by_length.get(length)
+        return self.rate if counts is None else (counts[1] + 4 * self.rate) / (counts[0] + 4)
+
+    def update(self, num_draft: int, num_accepted: int, length: int = 0) -> None:
         self.tried, self.accepted = _decayed(self.tried, self.accepted, GLOBAL_DECAY, num_draft, num_accepted)
+        if length:
+            counts = self.by_length.setdefault(length, [0.0, 0.0])
+            counts[:] = _decayed(*counts, GLOBAL_DECAY, num_draft, num_accepted)
         self.idle_steps, self.idle_s = 0, 0.0
 
     def idle_step(self, step_s: float = 0.0) -> None:
         self.tried *= 1 - DRIFT
         self.accepted *= 1 - DRIFT
+        for counts in self.by_length.values():
+            counts[0] *= 1 - DRIFT
+            counts[1] *= 1 - DRIFT
         self.idle_steps += 1
         self.idle_s += step_s
 
@@ -192,9 +219,12 @@ class AcceptancePrior:
         the module docstring): probes take at most PROBE_SHARE of the time."""
         return self.idle_steps >= PROBE_EVERY and cost_s <= PROBE_SHARE * self.idle_s
 
-    def of(self, req) -> float:
-        """A sequence's estimate: its own decayed outcomes, with this prior counted as two tries."""
-        return (req.spec_accepted + 2 * self.rate) / (req.spec_tried + 2)
+    def of(self, req, length: int = 0) -> float:
+        """A sequence's estimate for a draft: its own decayed outcomes, with the prior counted as two
+        tries; for an n-gram's draft (length > 0) its length's rate, counted as eight (the match
+        length predicts better than the sequence's few recent drafts, which still move it)."""
+        weight = 8 if length else 2
+        return (req.spec_accepted + weight * self.rate_of(length)) / (req.spec_tried + weight)
 
 
 @dataclass(slots=True)
@@ -217,5 +247,5 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
-__all__ = ["SETUP_HORIZON", "propose_ngram", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
+__all__ = ["SETUP_HORIZON", "propose_ngram", "ngram_match", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
            "SpecStats"]

@@ -39,6 +39,7 @@ from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
 GiB = 2**30
+PROFILE_CONTEXT = 256        # tokens behind the rows whose step time the drafting rule's cost table measures
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -186,33 +187,41 @@ class EngineCore:
 
     def _measure_step_costs(self, k: int) -> StepCostTable:
         """Step seconds by rows, on this host, for the drafting rule: one sequence of R tokens whose
-        rows all sample (a verification's shape: a decode and R - 1 drafts), R from 1 up to the most
-        rows a step of k drafts per sequence reaches; the best of two runs, after one warm-up. The
-        blocks it writes are taken from the pool and given back before any request exists."""
+        rows all sample (a verification's shape: a decode and R - 1 drafts) behind a context of
+        PROFILE_CONTEXT tokens (written first, by the prefill chunk measured for a chunk row's cost), so
+        each row's attention is in its cost; R from 1 up to the most rows a step of k drafts per
+        sequence reaches; the best of two runs, after one warm-up. The blocks it writes are taken from
+        the pool and given back before any request exists."""
         a = self.args
         top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
         grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
         rows = sorted({r for r in grid if r <= top} | {top})
-        blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(top))
+        n = max(2, min(top, a.long_prefill_token_threshold))          # a prefill chunk's rows
+        free = self.kv.num_free_blocks * a.block_size - top
+        ctx = max(0, min(PROFILE_CONTEXT, free, self.max_model_len - top)) // n * n   # 0: a pool too small
+        blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(ctx + top))
         ids = (tuple(b.block_id for b in blocks),) * len(self.kv.windows)   # (groups may share them: values unused)
         row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
 
-        def run(r: int, chunk: bool = False) -> float:
-            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, 0, ids, row, num_draft=0 if chunk else r - 1),))
+        def run(r: int, start: int = ctx, chunk: bool = False) -> float:
+            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, start, ids, row,
+                                               num_draft=0 if chunk else r - 1),))
             t0 = time.perf_counter()
             self.executor.execute(so)
             return time.perf_counter() - t0
-        n = max(2, min(top, a.long_prefill_token_threshold))
         try:
+            run(n, 0, chunk=True)
+            chunk_s = min(run(n, 0, chunk=True), run(n, 0, chunk=True))
+            one_s = min(run(1, 0), run(1, 0))
+            for start in range(n, ctx, n):                          # the rest of the context, written once
+                run(n, start, chunk=True)
             run(1)
             seconds = [min(run(r), run(r)) for r in rows]
-            run(n, chunk=True)
-            chunk_s = min(run(n, chunk=True), run(n, chunk=True))
         finally:
             self.kv.pool.free_blocks(blocks)
             self.executor.execute(SchedulerOutput(finished_req_ids=("spec-profile",)))
-        # a prefill chunk's row: what an n-row chunk costs beyond a one-row step, a row
-        self.scheduler.spec_prefill_row_s = max(0.0, chunk_s - seconds[0]) / (n - 1)
+        # a prefill chunk's row: what an n-row chunk costs beyond a one-row step (both at a prompt's start), a row
+        self.scheduler.spec_prefill_row_s = max(0.0, chunk_s - one_s) / (n - 1)
         return StepCostTable(rows, seconds)
 
     def _load_draft(self, spec: SpeculativeConfig, dtype: torch.dtype, layout: KVLayout):

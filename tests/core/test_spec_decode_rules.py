@@ -8,7 +8,8 @@ from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import Candidate, StepCostTable, choose_drafts, propose_ngram
+from pagedserve.core.spec_decode import AcceptancePrior, Candidate, StepCostTable, choose_drafts, ngram_match, \
+    propose_ngram
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,31 @@ def test_ngram_ignores_byte_matches_that_straddle_tokens():
     toks = [256, 0, 5, 1]
     assert propose_ngram(toks, 1, 1, 2) == []
     assert propose_ngram([1, 9, 256, 0, 1], 1, 1, 1) == [9]
+
+
+def test_ngram_drafts_are_judged_by_the_length_of_their_match():
+    """The proposal names the n-gram length that found it; the prior learns each length's acceptance,
+    so in one sequence a short match's junk stops drafting while a long match keeps drafting whole."""
+    toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    assert ngram_match(toks, 1, 3, 2) == ([7, 8], 3)
+    assert ngram_match([5, 6, 5], 1, 3, 4) == ([6, 5], 1)
+    assert ngram_match([5, 6, 7], 1, 3, 4) == ([], 0)
+    prior = AcceptancePrior(0.6)
+    assert prior.rate_of(1) == prior.rate_of(3) == prior.rate      # nothing seen: the engine-wide rate
+    for _ in range(20):
+        prior.update(4, 0, length=1)                                # 1-gram drafts: first token rejected
+        prior.update(4, 4, length=3)                                # 3-gram drafts: all accepted
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=10), 10)
+    assert prior.of(req, 1) < 0.25 < 0.9 < prior.of(req, 3)
+    # the rule at 1 + 4 rows costing 1.8x one row: the 3-gram's draft whole, nothing for the 1-gram's
+    cost = StepCostTable([1, 5], [0.010, 0.018])
+    cands = [Candidate(req, [7, 8, 9, 10], prior.of(req, 1), length=1)]
+    assert choose_drafts(cands, 1, 1, cost, 64) == {}
+    cands = [Candidate(req, [7, 8, 9, 10], prior.of(req, 3), length=3)]
+    assert choose_drafts(cands, 1, 1, cost, 64) == {0: 4}
+    for _ in range(1000):                                           # no drafts for a while: back toward the prior
+        prior.idle_step()
+    assert abs(prior.rate_of(1) - 0.6) < 0.05 and abs(prior.rate_of(3) - 0.6) < 0.05
 
 
 def test_rule_takes_no_draft_when_rows_cost_more_than_they_bring():

@@ -57,6 +57,21 @@ def test_greedy_outputs_are_identical_and_drafts_are_accepted(llm, spec_llm, cha
     _assert_idle_and_clean(spec_llm)
 
 
+def test_the_adaptive_rule_measures_its_costs_behind_a_context_and_gives_the_blocks_back(llm):
+    """The start-up cost table is measured behind a written context (or, in a pool too small for one,
+    without): either way every block is back in the pool before a request exists, and the rule's
+    drafts leave greedy outputs as they are."""
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    ref = llm.generate(GROUNDED[:1], sp)
+    for blocks in (24, 1024):             # 24 x 16 tokens: no room for a context beside the 256 rows measured
+        a = LLM(num_kv_blocks=blocks, block_size=16, dtype="float32", speculative_config=ALWAYS | {"adaptive": True})
+        table = a.engine.scheduler.spec_cost
+        assert table.rows[0] == 1 and table.rows[-1] == 256 and all(t > 0 for t in table.seconds)
+        _assert_idle_and_clean(a)
+        assert _ids(a.generate(GROUNDED[:1], sp)) == _ids(ref)
+        _assert_idle_and_clean(a)
+
+
 def test_greedy_outputs_are_identical_when_most_drafts_are_rejected(llm, spec_llm):
     rng = random.Random(7)          # random token prompts: an n-gram of them rarely predicts the model
     prompts = [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 60))]}
