@@ -115,8 +115,6 @@ INLINE void slots_of(const int64_t *table, int bs, int64_t t0, int n, int64_t *s
     }
 }
 
-/* One work item: sequence rows q (n_heads x hd, already multiplied by the softmax scale), keys
- * [t0, t1) of its context. Leaves the unnormalised state: m (running max), l (sum), acc (n_heads x hd). */
 /* Ask for kv head g's share of the rows at slot[0..n): decode uses it PREFETCH_KEYS ahead, where
  * the next block sits elsewhere in memory and the hardware prefetcher cannot follow. */
 INLINE void prefetch_rows(int dt, int HD, const void *cache, const int64_t *slot, int n, int g, int n_kv) {
@@ -149,126 +147,158 @@ INLINE void head_rows(int dt, int HD, const void *cache, const float *scales, co
 #define PV_HEADS 1
 #endif
 
-INLINE void decode_range(const int dt, const int HD, const float *q, const void *kc, const void *vc,
-                         const float *ks, const float *vs, const int64_t *table, int64_t t0, int64_t t1,
-                         int n_heads, int n_kv, int bs, float *m, float *l, float *acc) {
+/* Rows of one sequence that share each K/V tile in one work unit (a speculative step's verification
+ * rows: its decode and the draft tokens after it); bounds the per-row scratch on a thread's stack. */
+#define MAX_GROUP 8
+
+/* One work unit: G query rows of one sequence (row r: q + r * n_heads * hd, already multiplied by
+ * the softmax scale; its keys [t0, t1[r]), t1 rising with r), read through one block table. Each K/V
+ * tile is loaded (and widened) once for all G rows; each row's arithmetic is exactly what it does
+ * alone (G = 1), so a verification row computes the bits of a one-row decode. Leaves each row's
+ * unnormalised state at st[r]: m (running max), l (sum), acc (n_heads x hd). */
+INLINE void decode_range(const int dt, const int HD, const int G, const float *q, const void *kc, const void *vc,
+                         const float *ks, const float *vs, const int64_t *table, int64_t t0, const int64_t *t1,
+                         int n_heads, int n_kv, int bs, float *const *st) {
     const int group = n_heads / n_kv, C = HD / 16;
-    float sc[n_heads * DT_KEYS] __attribute__((aligned(64)));
+    float scr[G * n_heads * DT_KEYS] __attribute__((aligned(64)));
     float tile[DT_KEYS * HD] __attribute__((aligned(64)));     /* bf16 / int8 rows widened (and scaled) once */
-    for (int h = 0; h < n_heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }
-    memset(acc, 0, sizeof(float) * n_heads * HD);
-    for (int64_t c0 = t0; c0 < t1; c0 += DT_KEYS) {
-        const int nk = (int)(t1 - c0 < DT_KEYS ? t1 - c0 : DT_KEYS);
+    for (int r = 0; r < G; r++) {
+        for (int h = 0; h < n_heads; h++) { st[r][h] = -INFINITY; st[r][n_heads + h] = 0.f; }
+        memset(st[r] + 2 * n_heads, 0, sizeof(float) * n_heads * HD);
+    }
+    const int64_t t_end = t1[G - 1];
+    for (int64_t c0 = t0; c0 < t_end; c0 += DT_KEYS) {
+        const int nk = (int)(t_end - c0 < DT_KEYS ? t_end - c0 : DT_KEYS);
+        int nkr[MAX_GROUP];                               /* row r's keys in this tile (<= 0: it has ended) */
+        for (int r = 0; r < G; r++) nkr[r] = (int)(t1[r] - c0 < DT_KEYS ? t1[r] - c0 : DT_KEYS);
         int64_t slot[DT_KEYS];
         slots_of(table, bs, c0, nk, slot);
         /* the tile PREFETCH_KEYS ahead sits in other blocks, where the hardware prefetcher cannot follow:
          * ask for its rows, one kv head's share at a time, between the loads of this tile */
         const int64_t p0 = c0 + PREFETCH_KEYS;
-        const int np = (int)(t1 - p0 < DT_KEYS ? (t1 > p0 ? t1 - p0 : 0) : DT_KEYS);
+        const int np = (int)(t_end - p0 < DT_KEYS ? (t_end > p0 ? t_end - p0 : 0) : DT_KEYS);
         int64_t pslot[DT_KEYS];
         slots_of(table, bs, p0, np, pslot);
         for (int g = 0; g < n_kv; g++) {                  /* scores: each K row serves the whole group */
             prefetch_rows(dt, HD, kc, pslot, np, g, n_kv);
             const float *kr[DT_KEYS];
             head_rows(dt, HD, kc, ks, slot, nk, g, n_kv, tile, kr);
-            for (int hh = 0; hh < group; hh++) {
-                const int h = g * group + hh;
+            for (int r = 0; r < G; r++) {
+                const int nk_r = nkr[r];
+                if (nk_r <= 0) continue;
+                const float *qr = q + (int64_t)r * n_heads * HD;
+                float *sc = scr + r * n_heads * DT_KEYS;
+                for (int hh = 0; hh < group; hh++) {
+                    const int h = g * group + hh;
 #if defined(__AVX512F__)
-                v16 qv[C];
-                for (int c = 0; c < C; c++) qv[c] = load_f32(q + h * HD + 16 * c);
-                for (int j0 = 0; j0 < DT_KEYS; j0 += 16) {
-                    v16 a[16];
-                    for (int j = 0; j < 16; j++) {
-                        a[j] = splat(0.f);
-                        if (j0 + j < nk)
-                            for (int c = 0; c < C; c++) a[j] += qv[c] * load_f32(kr[j0 + j] + 16 * c);
-                    }
-                    store_f32(sc + h * DT_KEYS + j0, reduce16(a));
-                }
-#elif defined(__AVX2__)
-                /* 16 ymm registers: GCC keeps 16-lane vectors of this loop on the stack (every FMA a
-                 * store and a reload), so here it is written in ymm intrinsics, one key at a time */
-                for (int j = 0; j < DT_KEYS; j++) {
-                    float d = 0.f;
-                    if (j < nk) {
-                        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                        for (int e = 0; e < HD; e += 16) {
-                            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * HD + e), _mm256_loadu_ps(kr[j] + e), a0);
-                            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * HD + e + 8), _mm256_loadu_ps(kr[j] + e + 8), a1);
+                    v16 qv[C];
+                    for (int c = 0; c < C; c++) qv[c] = load_f32(qr + h * HD + 16 * c);
+                    for (int j0 = 0; j0 < DT_KEYS; j0 += 16) {
+                        v16 a[16];
+                        for (int j = 0; j < 16; j++) {
+                            a[j] = splat(0.f);
+                            if (j0 + j < nk_r)
+                                for (int c = 0; c < C; c++) a[j] += qv[c] * load_f32(kr[j0 + j] + 16 * c);
                         }
-                        d = hsum8(_mm256_add_ps(a0, a1));
+                        store_f32(sc + h * DT_KEYS + j0, reduce16(a));
                     }
-                    sc[h * DT_KEYS + j] = d;
-                }
+#elif defined(__AVX2__)
+                    /* 16 ymm registers: GCC keeps 16-lane vectors of this loop on the stack (every FMA a
+                     * store and a reload), so here it is written in ymm intrinsics, one key at a time */
+                    for (int j = 0; j < DT_KEYS; j++) {
+                        float d = 0.f;
+                        if (j < nk_r) {
+                            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                            for (int e = 0; e < HD; e += 16) {
+                                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + h * HD + e), _mm256_loadu_ps(kr[j] + e), a0);
+                                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + h * HD + e + 8), _mm256_loadu_ps(kr[j] + e + 8),
+                                                     a1);
+                            }
+                            d = hsum8(_mm256_add_ps(a0, a1));
+                        }
+                        sc[h * DT_KEYS + j] = d;
+                    }
 #else
-                for (int j = 0; j < DT_KEYS; j++) {
-                    v16 a = splat(0.f);
-                    if (j < nk)
-                        for (int c = 0; c < C; c++) a += load_f32(q + h * HD + 16 * c) * load_f32(kr[j] + 16 * c);
-                    sc[h * DT_KEYS + j] = hsum(a);
-                }
+                    for (int j = 0; j < DT_KEYS; j++) {
+                        v16 a = splat(0.f);
+                        if (j < nk_r)
+                            for (int c = 0; c < C; c++) a += load_f32(qr + h * HD + 16 * c) * load_f32(kr[j] + 16 * c);
+                        sc[h * DT_KEYS + j] = hsum(a);
+                    }
 #endif
+                }
             }
         }
-        for (int h = 0; h < n_heads; h++) {               /* online softmax, 32 keys per head at once */
-            v16 s0 = load_f32(sc + h * DT_KEYS), s1 = load_f32(sc + h * DT_KEYS + 16);
-            if (nk < DT_KEYS)
-                for (int j = nk; j < DT_KEYS; j++) {
-                    if (j < 16) s0[j] = -INFINITY; else s1[j - 16] = -INFINITY;
+        for (int r = 0; r < G; r++) {                     /* online softmax, 32 keys per head at once */
+            const int nk_r = nkr[r];
+            if (nk_r <= 0) continue;
+            float *sc = scr + r * n_heads * DT_KEYS, *m = st[r], *l = st[r] + n_heads, *acc = st[r] + 2 * n_heads;
+            for (int h = 0; h < n_heads; h++) {
+                v16 s0 = load_f32(sc + h * DT_KEYS), s1 = load_f32(sc + h * DT_KEYS + 16);
+                if (nk_r < DT_KEYS)
+                    for (int j = nk_r; j < DT_KEYS; j++) {
+                        if (j < 16) s0[j] = -INFINITY; else s1[j - 16] = -INFINITY;
+                    }
+                const float mx = hmax(vmax(s0, s1)), mn = mx > m[h] ? mx : m[h];
+                if (mn > m[h]) {
+                    const float corr = sexp(m[h] - mn);
+                    l[h] *= corr;
+                    for (int c = 0; c < C; c++) store_f32(acc + h * HD + 16 * c, load_f32(acc + h * HD + 16 * c) * corr);
+                    m[h] = mn;
                 }
-            const float mx = hmax(vmax(s0, s1)), mn = mx > m[h] ? mx : m[h];
-            if (mn > m[h]) {
-                const float corr = sexp(m[h] - mn);
-                l[h] *= corr;
-                for (int c = 0; c < C; c++) store_f32(acc + h * HD + 16 * c, load_f32(acc + h * HD + 16 * c) * corr);
-                m[h] = mn;
+                const v16 p0v = vexp(s0 - splat(mn)), p1v = vexp(s1 - splat(mn));
+                l[h] += hsum(p0v + p1v);
+                store_f32(sc + h * DT_KEYS, p0v);
+                store_f32(sc + h * DT_KEYS + 16, p1v);
             }
-            const v16 p0v = vexp(s0 - splat(mn)), p1v = vexp(s1 - splat(mn));
-            l[h] += hsum(p0v + p1v);
-            store_f32(sc + h * DT_KEYS, p0v);
-            store_f32(sc + h * DT_KEYS + 16, p1v);
         }
         for (int g = 0; g < n_kv; g++) {                  /* acc += p V: up to 3 heads per V load */
             prefetch_rows(dt, HD, vc, pslot, np, g, n_kv);
             const float *vr[DT_KEYS];
             head_rows(dt, HD, vc, vs, slot, nk, g, n_kv, tile, vr);
+            for (int r = 0; r < G; r++) {
+                const int nk_r = nkr[r];
+                if (nk_r <= 0) continue;
+                const float *sc = scr + r * n_heads * DT_KEYS;
+                float *acc = st[r] + 2 * n_heads;
 #if !defined(__AVX512F__) && defined(__AVX2__)
-            /* ymm intrinsics, one head and 64 dims (8 accumulators) at a time, as for the scores */
-            for (int h = g * group; h < (g + 1) * group; h++)
-                for (int e0 = 0; e0 < HD; e0 += 64) {
-                    const int ne = HD - e0 < 64 ? (HD - e0) / 8 : 8;
-                    __m256 o[8];
-                    for (int c = 0; c < ne; c++) o[c] = _mm256_loadu_ps(acc + h * HD + e0 + 8 * c);
-                    for (int j = 0; j < nk; j++) {
-                        const __m256 w = _mm256_set1_ps(sc[h * DT_KEYS + j]);
-                        for (int c = 0; c < ne; c++) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr[j] + e0 + 8 * c), o[c]);
+                /* ymm intrinsics, one head and 64 dims (8 accumulators) at a time, as for the scores */
+                for (int h = g * group; h < (g + 1) * group; h++)
+                    for (int e0 = 0; e0 < HD; e0 += 64) {
+                        const int ne = HD - e0 < 64 ? (HD - e0) / 8 : 8;
+                        __m256 o[8];
+                        for (int c = 0; c < ne; c++) o[c] = _mm256_loadu_ps(acc + h * HD + e0 + 8 * c);
+                        for (int j = 0; j < nk_r; j++) {
+                            const __m256 w = _mm256_set1_ps(sc[h * DT_KEYS + j]);
+                            for (int c = 0; c < ne; c++) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr[j] + e0 + 8 * c), o[c]);
+                        }
+                        for (int c = 0; c < ne; c++) _mm256_storeu_ps(acc + h * HD + e0 + 8 * c, o[c]);
                     }
-                    for (int c = 0; c < ne; c++) _mm256_storeu_ps(acc + h * HD + e0 + 8 * c, o[c]);
-                }
-            continue;
+                continue;
 #endif
-            for (int h0 = g * group; h0 < (g + 1) * group; h0 += PV_HEADS) {
-                const int nh = (g + 1) * group - h0 < PV_HEADS ? (g + 1) * group - h0 : PV_HEADS;
-                v16 o0[C], o1[C], o2[C];
-                for (int c = 0; c < C; c++) {
-                    o0[c] = load_f32(acc + h0 * HD + 16 * c);
-                    o1[c] = PV_HEADS > 1 && nh > 1 ? load_f32(acc + (h0 + 1) * HD + 16 * c) : splat(0.f);
-                    o2[c] = PV_HEADS > 2 && nh > 2 ? load_f32(acc + (h0 + 2) * HD + 16 * c) : splat(0.f);
-                }
-                for (int j = 0; j < nk; j++) {
-                    const float w0 = sc[h0 * DT_KEYS + j], w1 = PV_HEADS > 1 && nh > 1 ? sc[(h0 + 1) * DT_KEYS + j] : 0.f,
-                                w2 = PV_HEADS > 2 && nh > 2 ? sc[(h0 + 2) * DT_KEYS + j] : 0.f;
+                for (int h0 = g * group; h0 < (g + 1) * group; h0 += PV_HEADS) {
+                    const int nh = (g + 1) * group - h0 < PV_HEADS ? (g + 1) * group - h0 : PV_HEADS;
+                    v16 o0[C], o1[C], o2[C];
                     for (int c = 0; c < C; c++) {
-                        const v16 v = load_f32(vr[j] + 16 * c);
-                        o0[c] += w0 * v;
-                        if (PV_HEADS > 1) o1[c] += w1 * v;
-                        if (PV_HEADS > 2) o2[c] += w2 * v;
+                        o0[c] = load_f32(acc + h0 * HD + 16 * c);
+                        o1[c] = PV_HEADS > 1 && nh > 1 ? load_f32(acc + (h0 + 1) * HD + 16 * c) : splat(0.f);
+                        o2[c] = PV_HEADS > 2 && nh > 2 ? load_f32(acc + (h0 + 2) * HD + 16 * c) : splat(0.f);
                     }
-                }
-                for (int c = 0; c < C; c++) {
-                    store_f32(acc + h0 * HD + 16 * c, o0[c]);
-                    if (PV_HEADS > 1 && nh > 1) store_f32(acc + (h0 + 1) * HD + 16 * c, o1[c]);
-                    if (PV_HEADS > 2 && nh > 2) store_f32(acc + (h0 + 2) * HD + 16 * c, o2[c]);
+                    for (int j = 0; j < nk_r; j++) {
+                        const float w0 = sc[h0 * DT_KEYS + j], w1 = PV_HEADS > 1 && nh > 1 ? sc[(h0 + 1) * DT_KEYS + j] : 0.f,
+                                    w2 = PV_HEADS > 2 && nh > 2 ? sc[(h0 + 2) * DT_KEYS + j] : 0.f;
+                        for (int c = 0; c < C; c++) {
+                            const v16 v = load_f32(vr[j] + 16 * c);
+                            o0[c] += w0 * v;
+                            if (PV_HEADS > 1) o1[c] += w1 * v;
+                            if (PV_HEADS > 2) o2[c] += w2 * v;
+                        }
+                    }
+                    for (int c = 0; c < C; c++) {
+                        store_f32(acc + h0 * HD + 16 * c, o0[c]);
+                        if (PV_HEADS > 1 && nh > 1) store_f32(acc + (h0 + 1) * HD + 16 * c, o1[c]);
+                        if (PV_HEADS > 2 && nh > 2) store_f32(acc + (h0 + 2) * HD + 16 * c, o2[c]);
+                    }
                 }
             }
         }
@@ -278,14 +308,19 @@ INLINE void decode_range(const int dt, const int HD, const float *q, const void 
 /* Decode work plan: each context split into ranges of `chunk` keys, chunk from that context's own length
  * (up to 4 items per thread: a lone long context is shared by all threads), never from the rest of the
  * batch, so a row's arithmetic is the same whatever rows share its step (a speculative step's verification
- * rows compute what a one-row decode would); items[first[d] .. first[d + 1]) are sequence d's. */
+ * rows compute what a one-row decode would); items[first[d] .. first[d + 1]) are sequence d's.
+ * Rows that continue one another (row d + 1 sees one key more through the same blocks, with ranges of
+ * the same split: a verification's rows) form groups of up to MAX_GROUP; a work unit is the j-th range
+ * of every row of a group, run together (decode_range), each row's state in its own item's place. */
 typedef struct { int seq; int64_t t0, t1; } item_t;
-typedef struct { int threads, n_items; int *first; item_t *items; float *part; } plan_t;
+typedef struct { int d, rows, j; } unit_t;
+typedef struct { int threads, n_items, n_units, max_rows; int *first; item_t *items; unit_t *units; float *part; } plan_t;
 
 /* window > 0: a sliding-window layer, each query sees only the last `window` positions */
 static inline int64_t first_key(int64_t ctx, int window) { return window > 0 && ctx > window ? ctx - window : 0; }
 
-static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD, int window) {
+static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads, int HD, int window,
+                          const int64_t *block_tables, int max_blocks, int bs) {
     plan_t pl;
     pl.threads = THREADS;
     pl.first = malloc(sizeof(int) * (num_seqs + 1));
@@ -306,6 +341,26 @@ static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads
             const int64_t t1 = t0 + chunks[d];
             pl.items[i] = (item_t){d, t0, t1 < context_lens[d] ? t1 : context_lens[d]};
         }
+    pl.units = malloc(sizeof(unit_t) * (pl.n_items ? pl.n_items : 1));
+    pl.n_units = 0;
+    pl.max_rows = 1;
+    for (int d = 0; d < num_seqs;) {
+        int rows = 1;
+        const int n_d = pl.first[d + 1] - pl.first[d];
+        while (d + rows < num_seqs && rows < MAX_GROUP) {
+            const int a = d + rows - 1, b = d + rows;
+            const int64_t used = (context_lens[b] + bs - 1) / bs;
+            if (window || context_lens[b] != context_lens[a] + 1 || chunks[b] != chunks[d] ||
+                pl.first[b + 1] - pl.first[b] != n_d || used > max_blocks ||
+                memcmp(block_tables + (int64_t)a * max_blocks, block_tables + (int64_t)b * max_blocks,
+                       sizeof(int64_t) * used))
+                break;
+            rows++;
+        }
+        for (int j = 0; j < n_d; j++) pl.units[pl.n_units++] = (unit_t){d, rows, j};
+        pl.max_rows = rows > pl.max_rows ? rows : pl.max_rows;
+        d += rows;
+    }
     free(chunks);
     pl.part = malloc(sizeof(float) * (int64_t)n_heads * (HD + 2) * (pl.n_items ? pl.n_items : 1));
     return pl;
@@ -336,7 +391,7 @@ static void merge_decode(const plan_t *pl, float *out, int num_seqs, int n_heads
     }
 }
 
-static void free_plan(plan_t *pl) { free(pl->part); free(pl->items); free(pl->first); }
+static void free_plan(plan_t *pl) { free(pl->part); free(pl->units); free(pl->items); free(pl->first); }
 
 /* ------------------------------------------------------------------ prefill */
 
@@ -698,18 +753,26 @@ static void merge_prefill(const pitem_t *items, int n_items, const float *parts,
                               const int64_t *block_tables, const int64_t *context_lens, float *out, int num_seqs, \
                               int n_heads, int n_kv, int hd, int bs, int max_blocks, float scale, int window) {   \
         const int HD = HD_ ? HD_ : hd;                                                                      \
-        plan_t pl = plan_decode(context_lens, num_seqs, n_heads, HD, window);                               \
-        const int64_t state = (int64_t)n_heads * (HD + 2);                                                  \
+        plan_t pl = plan_decode(context_lens, num_seqs, n_heads, HD, window, block_tables, max_blocks, bs);  \
+        const int64_t state = (int64_t)n_heads * (HD + 2), per_row = (int64_t)n_heads * HD;                 \
         _Pragma("omp parallel num_threads(pl.threads)") {                                                   \
-            float qs[n_heads * HD];                                                                         \
+            float qs[pl.max_rows * n_heads * HD];                                                           \
             _Pragma("omp for schedule(dynamic, 1)")                                                         \
-            for (int i = 0; i < pl.n_items; i++) {                                                          \
-                const item_t it = pl.items[i];                                                              \
-                const float *qd = q + (int64_t)it.seq * n_heads * HD;                                       \
-                for (int e = 0; e < n_heads * HD; e++) qs[e] = qd[e] * scale;                               \
-                float *st = pl.part + state * i;                                                            \
-                decode_range(DT, HD_ ? HD_ : hd, qs, kc, vc, ks, vs, block_tables + (int64_t)it.seq * max_blocks, \
-                             it.t0, it.t1, n_heads, n_kv, bs, st, st + n_heads, st + 2 * n_heads);          \
+            for (int u = 0; u < pl.n_units; u++) {                                                          \
+                const unit_t un = pl.units[u];                                                              \
+                int64_t t1[MAX_GROUP];                                                                      \
+                float *st[MAX_GROUP];                                                                       \
+                for (int r = 0; r < un.rows; r++) {                                                         \
+                    const int i = pl.first[un.d + r] + un.j;                                                \
+                    const float *qd = q + (int64_t)(un.d + r) * per_row;                                    \
+                    for (int e = 0; e < per_row; e++) qs[r * per_row + e] = qd[e] * scale;                  \
+                    t1[r] = pl.items[i].t1;                                                                 \
+                    st[r] = pl.part + state * i;                                                            \
+                }                                                                                           \
+                const int last = un.d + un.rows - 1;                                                        \
+                decode_range(DT, HD_ ? HD_ : hd, un.rows, qs, kc, vc, ks, vs,                               \
+                             block_tables + (int64_t)last * max_blocks, pl.items[pl.first[un.d] + un.j].t0, t1, \
+                             n_heads, n_kv, bs, st);                                                        \
             }                                                                                               \
         }                                                                                                   \
         merge_decode(&pl, out, num_seqs, n_heads, HD);                                                      \

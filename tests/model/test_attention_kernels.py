@@ -136,6 +136,37 @@ def test_a_decode_rows_result_does_not_depend_on_the_rest_of_the_batch(dt):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_verification_rows_sharing_their_tiles_compute_the_one_row_bits(level, dt, shape):
+    """A speculative step's rows of one sequence (each one key more, through the same blocks) run
+    together, each K/V tile loaded once for all of them: every row's output is, bit for bit, what it
+    computes alone. Runs of 17 rows (more than a group holds), across a change of split (contexts 510
+    -> 526: 64-key ranges up to 512 keys, 128 after) and of range count (255 -> 258), a short one, and a
+    sliding window (never grouped: each row's keys start elsewhere); other sequences between them."""
+    lib = kernels.load(level)
+    nh, nkv, hd, bs = shape
+    g = torch.Generator().manual_seed(zlib.crc32(f"verify {level} {dt} {shape}".encode()))
+    runs = [list(range(510, 527)), list(range(255, 259)), [40], list(range(3, 8))]
+    nb = sum(-(-r[-1] // bs) for r in runs) + 3
+    layer = _cache(nb, bs, nkv, hd, dt, g)
+    seq_tables = _tables([r[-1] for r in runs], bs, nb, g)
+    lens = [n for r in runs for n in r]
+    bt = torch.cat([seq_tables[i:i + 1].expand(len(r), -1) for i, r in enumerate(runs)]).contiguous()
+    q = torch.randn(len(lens), nh, hd, generator=g)
+    for window in (0, 100):
+        together = kernels.paged_decode_attention(q, layer.k, layer.v, layer.k_scale, layer.v_scale, bt,
+                                                  torch.tensor(lens), 0.2, lib=lib, window=window)
+        for i, n in enumerate(lens):
+            alone = kernels.paged_decode_attention(q[i:i + 1], layer.k, layer.v, layer.k_scale, layer.v_scale,
+                                                   bt[i:i + 1], torch.tensor([n]), 0.2, lib=lib, window=window)
+            assert torch.equal(alone[0], together[i]), f"row {i} (context {n}, window {window})"
+        if not window:
+            ref = _reference(q[16:17], layer, bt[16], lens[16], 0.2)[0]
+            assert (together[16] - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_prefill_kernel_matches_reference(level, dt, shape):
     lib = kernels.load(level)
