@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram prompt lookup or a draft model), one stream: output tokens/s with and without it on an
-input-grounded workload (repeat, rewrite and extract from a given passage, a code edit) and a
-free-form chat workload, greedy, each request alone (one stream), in one run (ratios); acceptance
-rate, draft tokens and whether the greedy outputs are identical to decoding without drafts.
+input-grounded workload (repeat, rewrite and extract from a given passage, a code edit), the same
+over a long retrieved context (`long`: quoting ~1,300 tokens of minutes) and a free-form chat
+workload, greedy, each request alone (one stream), in one run (ratios); acceptance rate, draft tokens
+and whether the greedy outputs are identical to decoding without drafts.
 
 Each configuration runs in its own process (its own start-up, the adaptive rule's measured step
 costs); with --paired, an off configuration and those after it up to the next off share one process
@@ -45,6 +46,21 @@ GROUNDED = [
     f"Rename the function load_config to read_config in this code and return the whole file.\n\n{CODE}",
     f"Add a check that raises ValueError(\"config has no owner\") when \"owner\" is missing, and return the "
     f"whole function.\n\n{CODE}",
+]
+TOWNS = ["Alder", "Birch", "Cedar", "Dunmore", "Elm", "Fairview", "Glen", "Harbor", "Ivy", "Juniper", "Kestrel",
+         "Linden", "Maple", "Northgate", "Oakridge", "Pinecrest"]
+MINUTES = "\n\n".join(
+    f"Item {i + 1}. The council of {t} met on day {3 + 2 * i} of the month to discuss the {w} budget. The treasurer "
+    f"reported a balance of {1200 + 137 * i} dollars and asked for {40 + 9 * i} volunteers for the {w} fair. "
+    f"Members voted {5 + i % 4} to {i % 3} to repair the {('bridge', 'school roof', 'water tower', 'library')[i % 4]} "
+    f"and to plant {20 + 3 * i} trees along {t} Road before the first frost."
+    for i, (t, w) in enumerate(zip(TOWNS, ["spring", "summer", "autumn", "winter"] * 4)))
+LONG = [        # a retrieved context of ~1,300 tokens, and answers that quote it
+    f"{MINUTES}\n\nRepeat item 7 above exactly, word for word.",
+    f"{MINUTES}\n\nCopy items 12 and 13 above exactly.",
+    f"{MINUTES}\n\nWhat did the council of Linden decide? Quote the minutes.",
+    f"{MINUTES}\n\nRewrite item 3 above in the future tense, keeping every number.",
+    f"{MINUTES}\n\nRepeat the last item above exactly.",
 ]
 CHAT = [
     "Tell me a long story about a dragon.",
@@ -109,7 +125,7 @@ def run(configs: list[str], tokens: int, k: int, workloads: list[str], draft: st
     for w in workloads:
         acc = [{"tokens": 0, "secs": 0.0, "outputs": [], "d0": llm.engine.scheduler.spec_stats.num_draft_tokens,
                 "a0": llm.engine.scheduler.spec_stats.num_accepted_tokens} for llm, _, _ in llms]
-        for i, ids in enumerate(prompt_ids(GROUNDED if w == "grounded" else CHAT)):
+        for i, ids in enumerate(prompt_ids({"grounded": GROUNDED, "long": LONG, "chat": CHAT}[w])):
             for (llm, seeded, _), a in zip(llms, acc):
                 t = time.perf_counter()
                 o = llm.generate([{"prompt_token_ids": ids}], sp(i, seeded), use_tqdm=False)[0].outputs[0]
