@@ -366,28 +366,26 @@ static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads
     return pl;
 }
 
-/* out[d] = the items' (m, l, acc) states of sequence d merged: rescale each to the common max */
-static void merge_decode(const plan_t *pl, float *out, int num_seqs, int n_heads, int HD) {
+/* out[d] = the items' (m, l, acc) states of sequence d merged: rescale each to the common max (run in the
+ * kernel's own parallel region, after its items: no second fork and join per layer) */
+static void merge_decode(const plan_t *pl, float *out, int d, int n_heads, int HD) {
     const int64_t state = (int64_t)n_heads * (HD + 2);
     const float *part = pl->part;
-#pragma omp parallel for schedule(static) num_threads(pl->threads)
-    for (int d = 0; d < num_seqs; d++) {
-        for (int h = 0; h < n_heads; h++) {
-            float M = -INFINITY, L = 0.f;
-            for (int i = pl->first[d]; i < pl->first[d + 1]; i++) M = part[state * i + h] > M ? part[state * i + h] : M;
-            float *o = out + ((int64_t)d * n_heads + h) * HD;
-            memset(o, 0, sizeof(float) * HD);
-            for (int i = pl->first[d]; i < pl->first[d + 1]; i++) {
-                const float *st = part + state * i;
-                if (st[h] == -INFINITY) continue;
-                const float w = sexp(st[h] - M);
-                L += st[n_heads + h] * w;
-                const float *acc = st + 2 * n_heads + (int64_t)h * HD;
-                for (int e = 0; e < HD; e++) o[e] += w * acc[e];
-            }
-            const float inv = L > 0.f ? 1.f / L : 0.f;
-            for (int e = 0; e < HD; e++) o[e] *= inv;
+    for (int h = 0; h < n_heads; h++) {
+        float M = -INFINITY, L = 0.f;
+        for (int i = pl->first[d]; i < pl->first[d + 1]; i++) M = part[state * i + h] > M ? part[state * i + h] : M;
+        float *o = out + ((int64_t)d * n_heads + h) * HD;
+        memset(o, 0, sizeof(float) * HD);
+        for (int i = pl->first[d]; i < pl->first[d + 1]; i++) {
+            const float *st = part + state * i;
+            if (st[h] == -INFINITY) continue;
+            const float w = sexp(st[h] - M);
+            L += st[n_heads + h] * w;
+            const float *acc = st + 2 * n_heads + (int64_t)h * HD;
+            for (int e = 0; e < HD; e++) o[e] += w * acc[e];
         }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int e = 0; e < HD; e++) o[e] *= inv;
     }
 }
 
@@ -774,8 +772,9 @@ static void merge_prefill(const pitem_t *items, int n_items, const float *parts,
                              block_tables + (int64_t)last * max_blocks, pl.items[pl.first[un.d] + un.j].t0, t1, \
                              n_heads, n_kv, bs, st);                                                        \
             }                                                                                               \
+            _Pragma("omp for schedule(static)")                                                             \
+            for (int d = 0; d < num_seqs; d++) merge_decode(&pl, out, d, n_heads, HD);                      \
         }                                                                                                   \
-        merge_decode(&pl, out, num_seqs, n_heads, HD);                                                      \
         free_plan(&pl);                                                                                     \
     }                                                                                                       \
     static void prefill_##NAME(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, \
