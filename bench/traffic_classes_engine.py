@@ -13,14 +13,16 @@ import json
 import random
 import time
 
+from serving import pct as percentile      # the served bench's percentile, so the two compare
+
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.host import describe
 from pagedserve.sampling_params import SamplingParams
 
 
 def pct(xs, p):
-    xs = sorted(xs)
-    return round(1e3 * xs[min(len(xs) - 1, int(p / 100 * len(xs)))], 1) if xs else None
+    """The p-th percentile of seconds, in ms (None: no samples)."""
+    return None if not xs else round(1e3 * percentile(xs, p), 1)
 
 
 def main():

@@ -347,13 +347,11 @@ static plan_t plan_decode(const int64_t *context_lens, int num_seqs, int n_heads
     for (int d = 0; d < num_seqs;) {
         int rows = 1;
         const int n_d = pl.first[d + 1] - pl.first[d];
-        while (d + rows < num_seqs && rows < MAX_GROUP) {
+        while (!window && d + rows < num_seqs && rows < MAX_GROUP) {   /* a window: each row's keys start elsewhere */
             const int a = d + rows - 1, b = d + rows;
-            const int64_t used = (context_lens[b] + bs - 1) / bs;
-            if (window || context_lens[b] != context_lens[a] + 1 || chunks[b] != chunks[d] ||
-                pl.first[b + 1] - pl.first[b] != n_d || used > max_blocks ||
+            if (context_lens[b] != context_lens[a] + 1 || chunks[b] != chunks[d] || pl.first[b + 1] - pl.first[b] != n_d ||
                 memcmp(block_tables + (int64_t)a * max_blocks, block_tables + (int64_t)b * max_blocks,
-                       sizeof(int64_t) * used))
+                       sizeof(int64_t) * ((context_lens[b] + bs - 1) / bs)))
                 break;
             rows++;
         }
