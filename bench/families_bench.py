@@ -7,6 +7,7 @@ Usage: python bench/families_bench.py [--models qwen3-0.6b,qwen3-moe] [--workloa
 Prints one RESULT line per engine and model, then the ratios.
 """
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -75,11 +76,19 @@ def run_hf(folder: str, reqs: list[dict], dtype: str, device: str = "cpu") -> di
                                                      attn_implementation="sdpa")
     model = model.to(device).eval()
     pages = sum(-(-(len(r["prompt_token_ids"]) + r["max_tokens"]) // 256) for r in reqs) + 2
-    cbc = ContinuousBatchingConfig(page_size=256, num_blocks=pages, auto_switch_to_flash=False)
+    # the config's field names moved between transformers releases (5.17, the H200 image's: block_size and no
+    # auto_switch_to_flash; 5.24: page_size): name the ones this release has
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    kw = {"page_size" if "page_size" in fields else "block_size": 256, "num_blocks": pages}
+    if "auto_switch_to_flash" in fields:
+        kw["auto_switch_to_flash"] = False
+    cbc = ContinuousBatchingConfig(**kw)
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in reqs), eos_token_id=-1,
                           pad_token_id=0)
     results = {}
-    with torch.inference_mode(), model.continuous_batching_context_manager(
+    # no inference_mode around it: 5.17 makes its static buffers here and updates them in place on its own
+    # thread, outside the mode (a RuntimeError); the manager runs the model without gradients itself
+    with model.continuous_batching_context_manager(
             generation_config=gc, continuous_batching_config=cbc, block=True, timeout=30, warmup=True) as manager:
         t = time.perf_counter()
         for r in reqs:

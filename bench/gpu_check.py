@@ -4,7 +4,8 @@
     python bench/gpu_check.py --out DIR   # there (the device tool: carry ["build/gpu_check"], --out $OUT)
     python bench/gpu_check.py --cpu-smoke # here: every section at toy sizes on the CPU (Triton's interpreter)
 
-Sections, in order; each one's failure is recorded and the next still runs:
+Sections, in order (the unit tests in a child process beside the reference section); each one's failure is
+recorded and the next still runs:
   env        the GPU, torch / triton / transformers versions; wheels from build/gpu_check/wheels installed
              into a private folder where the image lacks them (pytest and its dependencies, gguf)
   unit       pytest tests/model/test_triton_attention.py on CUDA tensors (the kernels compiled, not
@@ -111,14 +112,24 @@ def env(target: str, device: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- unit
 
-def unit(smoke: bool) -> dict:
+def start_unit() -> subprocess.Popen:
+    """The unit tests in a child process, started before the reference section, which runs beside them (both
+    only check results, and the machine has cores to spare for Triton's compiles); the timed sections wait."""
     # the sm_90 compile test is for machines without a GPU: here every kernel compiles for real
     cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-o", "addopts=",
            "tests/model/test_triton_attention.py", "-k", "not compiles_for_an_h200"]
     envv = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    r = subprocess.run(cmd, cwd=ROOT, env=envv, capture_output=True, text=True, timeout=300 if not smoke else 600)
-    tail = (r.stdout + r.stderr).strip().splitlines()[-40:]
-    return dict(ok=r.returncode == 0, rc=r.returncode, summary=tail[-1] if tail else "", tail=tail)
+    return subprocess.Popen(cmd, cwd=ROOT, env=envv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def unit(child: subprocess.Popen, smoke: bool) -> dict:
+    try:
+        out, _ = child.communicate(timeout=300 if not smoke else 600)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+    tail = out.strip().splitlines()[-40:]
+    return dict(ok=child.returncode == 0, rc=child.returncode, summary=tail[-1] if tail else "", tail=tail)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -316,7 +327,12 @@ def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool) -> di
     made_s = time.perf_counter() - t0
     reqs = read_workload(smoke)
     a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"))
+    Report(out)("mixed64-pagedserve", **a)        # written before the baseline's long run
     gc.collect()
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+        a["cuda_allocated_gib_after"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     try:
         from bench.families_bench import run_hf          # HF transformers' continuous batching, as there
         b = run_hf(d, reqs, "bfloat16", device)
@@ -346,10 +362,11 @@ def main() -> None:
         t0 = time.perf_counter()
         if "env" in wanted:
             section(report, "env", env, os.path.join(work, "site"), device)
-        if "unit" in wanted:
-            section(report, "unit", unit, ns.cpu_smoke)
+        child = start_unit() if "unit" in wanted else None
         if "reference" in wanted:
             section(report, "reference", reference, device, work)
+        if child is not None:
+            section(report, "unit", unit, child, ns.cpu_smoke)
         if "bandwidth" in wanted:
             section(report, "bandwidth", bandwidth, device, ns.cpu_smoke)
         if "mixed64" in wanted:
