@@ -268,7 +268,37 @@ def read_workload(smoke: bool) -> list[dict]:
     return reqs
 
 
-def ours(d: str, reqs: list[dict], device: str, trace_path: str) -> dict:
+def _run_pass(eng, reqs, tag: str, on_step=None) -> tuple[float, bool]:
+    """The workload through the engine once: (wall seconds, every request got its tokens)."""
+    import torch
+    from pagedserve.sampling_params import SamplingParams
+    if eng.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.add_request(f"{tag}-{r['id']}", r["prompt_token_ids"],
+                        SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = len(o.outputs[0].token_ids)
+        if on_step is not None and eng.last_schedule is not None and eng.last_schedule.seqs:
+            on_step(eng)
+    wall = time.perf_counter() - t0
+    return wall, all(done.get(f"{tag}-{r['id']}") == r["max_tokens"] for r in reqs)
+
+
+def _triton_kernels() -> int:
+    """Compiled kernels in Triton's cache folder (a new one during serving is a compile in a step)."""
+    d = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    return len(os.listdir(d)) if os.path.isdir(d) else 0
+
+
+def ours(d: str, reqs: list[dict], device: str, trace_path: str, out: str, profile: bool) -> dict:
+    """Three passes of the workload through one engine: the first traced (and compared with the h200 profile),
+    the second warm (every kernel compiled), with --profile a third with the sampler's earlier path (every
+    row's logits to the host) and a fourth under torch.profiler, then each decode graph replayed alone."""
     import torch
     from pagedserve.config import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
@@ -284,49 +314,98 @@ def ours(d: str, reqs: list[dict], device: str, trace_path: str) -> dict:
         eng.step()
     trace, shape = StepTrace(trace_path), shape_of_engine(eng)
     h200 = RooflineCost(shape, PROFILES["h200"])
-    steps = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for r in reqs:
-        eng.add_request(r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                                                       ignore_eos=True))
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = len(o.outputs[0].token_ids)
-        if eng.last_schedule is not None and eng.last_schedule.seqs:
-            f = step_features(shape, eng.last_schedule.seqs)
-            steps.append((eng.last_stats.step_s, h200.step_time(f),
-                          sum(1 for s in eng.last_schedule.seqs if s.is_decode),
-                          eng.last_schedule.num_prefill_tokens))
-            trace.record(eng)
-    wall = time.perf_counter() - t0
+    steps, kernels = [], [_triton_kernels()]
+
+    def on_step(e):
+        f = step_features(shape, e.last_schedule.seqs)
+        st = e.last_stats
+        n = _triton_kernels()
+        steps.append(dict(step_ms=st.step_s * 1e3, predicted_ms=h200.step_time(f) * 1e3,
+                          decodes=sum(1 for s in e.last_schedule.seqs if s.is_decode),
+                          prefill_tokens=e.last_schedule.num_prefill_tokens, prepare_ms=st.prepare_s * 1e3,
+                          forward_ms=st.forward_s * 1e3, sample_ms=st.sample_s * 1e3, compiled=n - kernels[-1]))
+        kernels.append(n)
+        trace.record(e)
+
+    wall, ok = _run_pass(eng, reqs, "cold", on_step)
+    warm, ok2 = _run_pass(eng, reqs, "warm")
     out_tokens = sum(r["max_tokens"] for r in reqs)
-    ok = all(done.get(r["id"]) == r["max_tokens"] for r in reqs)
-    errs = [abs(pred / meas - 1) for meas, pred, _, _ in steps if meas > 0]
-    decode_only = [abs(pred / meas - 1) for meas, pred, dec, pre in steps if meas > 0 and not pre]
+    errs = [abs(s["predicted_ms"] / s["step_ms"] - 1) for s in steps if s["step_ms"] > 0]
+    decode_only = [abs(s["predicted_ms"] / s["step_ms"] - 1) for s in steps if s["step_ms"] > 0 and not
+                   s["prefill_tokens"]]
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None       # noqa: E731
     res = dict(load_s=round(load_s, 1), wall_s=round(wall, 2), output_tokens=out_tokens,
-               output_tok_s=round(out_tokens / wall, 1), token_counts_ok=ok, steps=len(steps),
+               output_tok_s=round(out_tokens / wall, 1), warm_wall_s=round(warm, 2),
+               warm_output_tok_s=round(out_tokens / warm, 1), token_counts_ok=ok and ok2, steps=len(steps),
+               compiles_during_first_pass=sum(s["compiled"] for s in steps),
+               steps_over_300ms=[(i, round(s["step_ms"]), s["compiled"]) for i, s in enumerate(steps)
+                                 if s["step_ms"] > 300],
                attention=eng.runner.attention_backend, graphs=eng.runner.graphs_note,
-               h200_profile_median_rel_error=round(statistics.median(errs), 3) if errs else None,
-               h200_profile_decode_only_median_rel_error=round(statistics.median(decode_only), 3) if decode_only
-               else None, step_ms_p50=round(1e3 * statistics.median(s[0] for s in steps), 2) if steps else None,
-               trace=trace_path)
+               h200_profile_median_rel_error=med(errs), h200_profile_decode_only_median_rel_error=med(decode_only),
+               step_ms_p50=med([s["step_ms"] for s in steps]), trace=trace_path)
+    try:                    # the h200 profile refitted to this trace (bench/fit_gpu_profile.py)
+        from bench.fit_gpu_profile import fit as fit_profile, read_trace
+        res["h200_profile_refit"] = fit_profile(shape, PROFILES["h200"], read_trace(trace_path, shape))
+    except Exception as e:
+        res["h200_profile_refit"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, "steps.jsonl"), "w") as f:
+        for s in steps:
+            f.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()}) + "\n")
+    if profile:
+        res |= _profile(eng, reqs, out, out_tokens)
     eng.shutdown()
     del eng
     return res
 
 
-def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool) -> dict:
+def _profile(eng, reqs, out: str, out_tokens: int) -> dict:
+    import torch
+    from pagedserve.runner.sampler import Sampler
+    res = {}
+    sampler = eng.runner.sampler
+    try:         # A/B in this run: the sampler's earlier path, every row's logits copied to the host
+        sampler.sample_on_device = lambda logits, *a, **k: Sampler.__call__(sampler, logits.cpu(), *a, **k)
+        wall, _ = _run_pass(eng, reqs, "host-sampling")
+        res["host_sampling_output_tok_s"] = round(out_tokens / wall, 1)
+    finally:
+        del sampler.sample_on_device
+    counter, first = [0], 12 if len(reqs) > 16 else 2       # the smoke run's passes have ~8 steps
+
+    def on_step(e):
+        counter[0] += 1
+        if counter[0] == first:
+            prof.__enter__()
+        elif counter[0] == first + 4:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+    cuda = eng.runner.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts)
+    _run_pass(eng, reqs, "profiled", on_step)
+    ka = prof.key_averages()
+    with open(os.path.join(out, "profile_decode_steps.txt"), "w") as f:
+        f.write("4 decode steps of ~60 rows (steps 12-15 of a warm pass)\n\n")
+        if cuda:
+            f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    g = eng.runner.graphs
+    if g is not None:
+        replay = {}
+        for b in g.sizes:
+            replay[b] = round(_time(g.graphs[b].replay, "cuda", 20) * 1e3, 3)
+        res["graph_replay_ms"] = replay
+    return res
+
+
+def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool, profile: bool = False) -> dict:
     sys.path.insert(0, ROOT)
     d = os.path.join(workdir, "llama3-8b-shaped")
     t0 = time.perf_counter()
     make_big_model(d, layers, device, smoke)
     made_s = time.perf_counter() - t0
     reqs = read_workload(smoke)
-    a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"))
+    a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"), out, profile)
     Report(out)("mixed64-pagedserve", **a)        # written before the baseline's long run
     gc.collect()
     if device == "cuda":
@@ -352,6 +431,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="the Llama-3-8B-shaped model's layers (8B: 32)")
     ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: the script itself checked")
     ap.add_argument("--sections", default="env,unit,reference,bandwidth,mixed64")
+    ap.add_argument("--profile", action="store_true", help="mixed64: also the sampler A/B, torch.profiler over "
+                    "4 decode steps (profile_decode_steps.txt) and each decode graph replayed alone")
     ns = ap.parse_args()
     if ns.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -371,7 +452,7 @@ def main() -> None:
             section(report, "bandwidth", bandwidth, device, ns.cpu_smoke)
         if "mixed64" in wanted:
             section(report, "mixed64", mixed64, device, work, ns.out, 2 if ns.cpu_smoke else ns.layers,
-                    ns.cpu_smoke)
+                    ns.cpu_smoke, ns.profile)
         report("done", seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -35,6 +35,7 @@ from triton import knobs                    # noqa: E402
 
 FULL = 1 << 30              # the window argument of full attention
 SPLIT_TOKENS = 256          # context positions per decode split (a split is one program's share)
+MERGE_LANES = 32            # the merge kernel's split lanes, at least: one compiled variant up to 8,192 positions
 
 
 def _next_pow2(n: int, least: int = 16) -> int:
@@ -110,7 +111,14 @@ def _online_softmax(m_i, l_i, acc, s, v, P_DTYPE: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+# Triton compiles a kernel anew for each new "specialization" of its integer arguments (== 1, divisible by 16).
+# The block tables' width and the split count change from step to step on the eager path (a mixed step's
+# widest table, its longest context), and with them the strides below: without this each new value class cost
+# a ~0.5 s compile in the middle of serving (an H200's first mixed steps took 600 ms instead of 80).
+VARYING = ["stride_bt", "stride_ot", "stride_oh", "stride_lt", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=VARYING)
 def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softcap,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
                    stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -147,7 +155,7 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, MID_O, MID_L, scale, window, softc
     tl.store(MID_L + t * stride_lt + heads * stride_lh + sp, lse, mask=mg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", *VARYING[1:]])
 def _merge_kernel(MID_O, MID_L, OUT, num_splits, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   stride_t, stride_h, HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
@@ -164,7 +172,7 @@ def _merge_kernel(MID_O, MID_L, OUT, num_splits, stride_ot, stride_oh, stride_os
     tl.store(OUT + t * stride_t + h * stride_h + d, o.to(OUT.dtype.element_ty), mask=md)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, K, V, KS, VS, BT, CU, LENS, OUT, scale, window, softcap,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
                     stride_bt, stride_ot, stride_oh,
@@ -268,7 +276,7 @@ def decode_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, context_le
             BS=bs, G=G, HD=hd, BLOCK_G=_next_pow2(G), BLOCK_D=bd, BLOCK_N=64 if bd <= 128 else 32,
             SPLIT=SPLIT_TOKENS, INT8=kv.k.dtype == torch.int8, SOFTCAP=bool(softcap), **_dot_dtypes(q))
     _launch(_merge_kernel, q, (D, nh), mid_o, mid_l, out, splits, *mid_o.stride()[:3], *mid_l.stride()[:2],
-            out.stride(0), out.stride(1), HD=hd, BLOCK_S=_next_pow2(splits, 1), BLOCK_D=bd)
+            out.stride(0), out.stride(1), HD=hd, BLOCK_S=_next_pow2(splits, MERGE_LANES), BLOCK_D=bd)
     return out
 
 

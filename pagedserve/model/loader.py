@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -118,7 +119,15 @@ def read_pooling_config(src: ModelSource) -> dict:
     return out
 
 
-_LOADED: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
+# (file, mtime, dtype, device, ...) -> (the model, or on an accelerator a weak reference to it; its config).
+# On the CPU a loaded model stays for the process (engines come and go around it: tests, benches); an
+# accelerator's memory is the scarce kind, so there a model lives as long as an engine holds it (an 8B
+# model's 15 GiB stayed on an H200 after its engine shut down).
+_LOADED: dict[tuple, tuple[LlamaForCausalLM | weakref.ref, ModelConfig]] = {}
+
+
+def held_for_the_process(device: str) -> bool:
+    return torch.device(device).type == "cpu"
 
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -148,9 +157,11 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
                          "folder; use quantization int8 or none")
     st = os.stat(src.path)
     key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy)
-    if key not in _LOADED:
-        _LOADED[key] = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy)
-    model, cfg = _LOADED[key]
+    held, cfg = _LOADED.get(key, (None, None))
+    model = held() if isinstance(held, weakref.ref) else held
+    if model is None:
+        model, cfg = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy)
+        _LOADED[key] = (model if held_for_the_process(device) else weakref.ref(model), cfg)
     return model, copy.copy(cfg)
 
 

@@ -292,11 +292,10 @@ class ModelRunner:
                                   "the ranks are out of step") from e
         t2 = time.perf_counter()
         if logits is not None:
-            logits = logits.cpu()
             drafts = {s.request_id: s.draft for s in so.seqs if s.num_draft}
             draft_probs = self.drafter.take_probs() if self.drafter is not None else None
-            samples = self.sampler(logits, sample_rows, _grammar_masks(so, sample_rows), keep_states=drafts,
-                                   draft_probs=draft_probs) if sample_rows else []
+            samples = self.sampler.sample_on_device(logits, sample_rows, _grammar_masks(so, sample_rows),
+                                                    keep_states=drafts, draft_probs=draft_probs) if sample_rows else []
             for row, smp in zip(sample_rows, samples):
                 out.sampled.setdefault(row.request_id, []).append(smp)
             for rid, draft in drafts.items():

@@ -87,6 +87,41 @@ class Sampler:
                 out[i].logprobs = d if k == max(ks) else {t: v for t, v in d.items() if t == ids[i] or v.rank <= k}
         return out
 
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[SamplingRow],
+                         masks: tuple[list[int], np.ndarray] | None = None, keep_states=(),
+                         draft_probs: dict[str, torch.Tensor] | None = None) -> list[SampledToken]:
+        """As __call__, with `logits` on the model's device. Host logits go straight to __call__. On an
+        accelerator the rows that take a plain argmax (takes_plain_argmax) are reduced there and only their
+        token ids cross to the host; the other rows' logits go to __call__ on the host, whose per-request
+        generators are CPU ones. (A 64-row decode step of a 128k vocabulary copied 33 MB and took its
+        argmax on the CPU: most of an H200's step.)"""
+        if logits.device.type == "cpu":
+            return self(logits, reqs, masks, keep_states, draft_probs)
+        return self.split_argmax(logits, reqs, masks, keep_states, draft_probs)
+
+    def split_argmax(self, logits: torch.Tensor, reqs: list[SamplingRow], masks=None, keep_states=(),
+                     draft_probs=None) -> list[SampledToken]:
+        """sample_on_device's split, on any device (the CPU tests call it directly): plain-argmax rows on
+        `logits`' device, the rest through __call__ on host copies of their rows, in the rows' order."""
+        constrained = set(masks[0]) if masks is not None else set()
+        plain = [i for i, r in enumerate(reqs) if i not in constrained and takes_plain_argmax(r)]
+        out: list[SampledToken | None] = [None] * len(reqs)
+        dev = logits.device
+        if plain:
+            rows = logits if len(plain) == len(reqs) else logits[torch.tensor(plain, device=dev)]
+            for i, t in zip(plain, rows.argmax(dim=-1).tolist()):
+                out[i] = SampledToken(t)
+        rest = [i for i, o in enumerate(out) if o is None]
+        if not rest:
+            self.draw_states.clear()
+            return out
+        at = {i: j for j, i in enumerate(rest)}     # every constrained row is in `rest`
+        sub_masks = ([at[i] for i in masks[0]], masks[1]) if masks is not None else None
+        host = (logits if len(rest) == len(reqs) else logits[torch.tensor(rest, device=dev)]).cpu()
+        for i, smp in zip(rest, self(host, [reqs[i] for i in rest], sub_masks, keep_states, draft_probs)):
+            out[i] = smp
+        return out
+
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
         need_pen = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
                     or r.params.presence_penalty or r.params.frequency_penalty]
@@ -132,6 +167,14 @@ class Sampler:
                 u[i].uniform_(generator=g)
         sampled = (probs / u.log_().neg_()).argmax(dim=-1)
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+
+
+def takes_plain_argmax(row: SamplingRow) -> bool:
+    """A row whose token is the argmax of the raw logits: greedy, without logprobs, penalties, logit bias
+    or min_tokens still to come (a grammar mask is the caller's to check)."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and row.num_output_tokens >= p.min_tokens)
 
 
 def sampling_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:

@@ -114,7 +114,11 @@ class Hardware:
 
 PROFILES = {
     "h100": Hardware("h100", 989e12, 3.35e12),              # SXM, bf16 dense
-    "h200": Hardware("h200", 989e12, 4.8e12),
+    # measured: bench/gpu_check.py's mixed64 trace of a Llama-3-8B-shaped bf16 model (2026-12-04, CUDA graphs,
+    # Triton attention), bench/fit_gpu_profile.py on its even steps: 10.6 % median error on the odd ones (the
+    # datasheet's defaults: 46 %). The per-sequence cost was then mostly host-side sampling of every row's
+    # logits, which the sampler no longer does for plain greedy rows: the next GPU run re-fits it.
+    "h200": Hardware("h200", 989e12, 4.8e12, matmul_eff=0.5, step_overhead_s=0.003, seq_overhead_s=4.6e-4),
     "a100": Hardware("a100", 312e12, 2.0e12),
     "a10g": Hardware("a10g", 70e12, 600e9),                  # approximate dense fp16 tensor peak
     "l4": Hardware("l4", 121e12, 300e9),

@@ -196,3 +196,37 @@ def test_text_prompts_are_tokenized_in_one_batch_before_submit(llm, tokenizer, m
     assert calls == [False] * 4, "the engine was handed token ids, never text"
     assert [o.prompt for o in outs] == texts + [None]
     assert [o.prompt_token_ids for o in outs[:3]] == [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_plain_argmax_rows_split_off_give_what_the_whole_sampler_gives():
+    """The accelerator path (Sampler.split_argmax): greedy rows without logprobs, penalties, bias, pending
+    min_tokens or a grammar take their argmax where the logits are; the rest go through the host sampler.
+    Every row's token (and logprobs) is what one call over all rows gives; seeded rows draw the same."""
+    import numpy as np
+    from pagedserve.core.step import SamplingRow
+    from pagedserve.runner.sampler import Sampler, takes_plain_argmax
+    V = 300
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, V, generator=g) * 3
+    P = SamplingParams
+    rows = [SamplingRow("plain", P(max_tokens=4), None, 1, 0, (2,)),
+            SamplingRow("logprobs", P(max_tokens=4, logprobs=3), None, 1, 0, (2,)),
+            SamplingRow("seeded", P(temperature=0.8, top_p=0.9, seed=5, max_tokens=4), 5, 1, 0, (2,)),
+            SamplingRow("min-tokens", P(max_tokens=4, min_tokens=3), None, 1, 1, (int(logits[3].argmax()),)),
+            SamplingRow("bias", P(max_tokens=4, logit_bias={7: 100.0}), None, 1, 0, (2,)),
+            SamplingRow("grammar", P(max_tokens=4), None, 1, 0, (2,)),
+            SamplingRow("plain-2", P(max_tokens=4), None, 1, 0, (2,)),
+            SamplingRow("past-min", P(max_tokens=4, min_tokens=1), None, 1, 1, (2,))]
+    assert [takes_plain_argmax(r) for r in rows] == [True, False, False, False, False, True, True, True]
+    allowed = np.zeros((1, -(-V // 32)), dtype=np.int32)
+    allowed[0, 0] = 1 << 9                                  # the grammar row may only say token 9
+    masks = ([5], allowed)
+    whole = Sampler(0)(logits.clone(), rows, masks)
+    split = Sampler(0).split_argmax(logits.clone(), rows, masks)
+    assert [s.token_id for s in split] == [s.token_id for s in whole]
+    assert split[5].token_id == 9 and split[4].token_id == 7 and split[3].token_id != int(logits[3].argmax())
+    assert split[0].token_id == int(logits[0].argmax()) and split[0].logprobs is None
+    assert split[1].logprobs.keys() == whole[1].logprobs.keys()
+    assert all(split[1].logprobs[t].logprob == pytest.approx(whole[1].logprobs[t].logprob) for t in split[1].logprobs)
+    every_plain = Sampler(0).split_argmax(logits[[0, 6]], [rows[0], rows[6]])
+    assert [s.token_id for s in every_plain] == [int(logits[0].argmax()), int(logits[6].argmax())]

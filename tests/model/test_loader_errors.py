@@ -95,3 +95,40 @@ def test_dequantize_k_quant_shapes(qtype):
     raw = np.zeros((3, 2 * nbytes), dtype=np.uint8)      # all scales zero: every weight is exactly 0
     y = _dequantize(_T(raw, qt))
     assert y.shape == (3, 2 * block) and y.dtype == np.float32 and not y.any()
+
+
+def test_an_accelerators_model_is_shared_while_an_engine_holds_it_and_freed_after(tmp_path, monkeypatch):
+    """Engines in one process share one loaded copy; on an accelerator (held_for_the_process false:
+    played here on the CPU) the copy goes with the last engine that holds it, where on the CPU it stays."""
+    import gc
+    import weakref
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model import loader
+    from tests.model.families import save_family, tiny_tokenizer
+    tok = tiny_tokenizer(512)
+    save_family("llama", str(tmp_path), len(tok), tok)
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setattr(loader, "held_for_the_process", lambda device: False)
+    a = LLM(str(tmp_path), num_kv_blocks=32)
+    b = LLM(str(tmp_path), num_kv_blocks=32)
+    assert a.engine.runner.model is b.engine.runner.model
+    gone = weakref.ref(a.engine.runner.model)
+    out = b.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    a.shutdown()
+    b.shutdown()
+    del a, b, out
+    gc.collect()
+    assert gone() is None
+    c = LLM(str(tmp_path), num_kv_blocks=32)                 # loaded again, not a dead reference
+    assert len(c.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids) == 2
+    c.shutdown()
+    monkeypatch.setattr(loader, "held_for_the_process", lambda device: True)
+    monkeypatch.setattr(loader, "_LOADED", {})
+    d = LLM(str(tmp_path), num_kv_blocks=32)
+    kept = weakref.ref(d.engine.runner.model)
+    d.shutdown()
+    del d
+    gc.collect()
+    assert kept() is not None
