@@ -156,6 +156,31 @@ def test_the_live_cost_model_refits_on_a_bounded_window():
         if rng.random() < 0.5:
             rows.append((0, rng.randint(2, 512), rng.randint(0, 1)))
         live.observe(rows, truth.step_time(row_features(shape, rows)))
-    assert len(live.samples) == LiveCost.WINDOW
+    assert live.X.shape[0] == LiveCost.WINDOW and live.count == LiveCost.WINDOW + 300
     for rows in ([(100, 1, 1)] * 8, [(0, 400, 1), (50, 1, 1)]):
         assert live(rows) == pytest.approx(truth.step_time(row_features(shape, rows)), rel=0.02)
+    slower = FittedCost({k: 2 * v for k, v in truth.coef.items()})      # the host changed: the window forgets
+    for _ in range(LiveCost.WINDOW + LiveCost.REFIT):         # (the last refit's window: new steps only)
+        rows = [(rng.randint(0, 500), 1, 1) for _ in range(rng.randint(1, 16))]
+        if rng.random() < 0.5:
+            rows.append((0, rng.randint(2, 512), rng.randint(0, 1)))
+        live.observe(rows, slower.step_time(row_features(shape, rows)))
+    for rows in ([(100, 1, 1)] * 8, [(0, 400, 1), (50, 1, 1)]):
+        assert live(rows) == pytest.approx(slower.step_time(row_features(shape, rows)), rel=0.02)
+
+
+def test_the_array_fit_is_the_list_fit():
+    import random
+    import numpy as np
+    from pagedserve.sim.cost_model import _row, fit, fit_arrays, row_features
+    shape, rng = MODELS["smollm2-135m"], random.Random(2)
+    samples = []
+    for _ in range(300):
+        rows = [(rng.randint(0, 2000), 1, 1) for _ in range(rng.randint(1, 8))] + [(0, rng.randint(2, 64), 1)]
+        f = row_features(shape, rows)
+        samples.append((f, 0.003 + 1e-4 * f.seqs + 3e-12 * f.gemm_flops + rng.uniform(-2e-4, 2e-4)))
+    a = fit(samples)
+    b = fit_arrays(np.array([_row(f) for f, _ in samples]), np.array([t for _, t in samples]))
+    assert a.coef == pytest.approx(b.coef) and a.rel_error_p50 == pytest.approx(b.rel_error_p50)
+    errs = sorted(abs(a.step_time(f) - t) / t for f, t in samples)
+    assert a.rel_error_p50 == pytest.approx(errs[len(errs) // 2])
