@@ -15,7 +15,6 @@ coefficients fitted to step times measured on this machine (`calibrate.py`); on 
 memory traffic do not overlap much, so there the parts add."""
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import math
