@@ -5,7 +5,8 @@
 The roofline keeps the datasheet's FLOP/s and bandwidth and the measured bandwidth efficiency; what a datasheet
 cannot know is fitted: the fixed cost of a step, the cost per sequence in it (host-side preparation, sampling,
 output) and the matmul efficiency. Fitted on the even steps (a grid, median relative error), tested on the odd
-ones: the held-out error is the figure to quote. bench/gpu_check.py calls fit() on its own trace.
+ones: the held-out error is the figure to quote. bench/gpu_check.py calls fit() on its own trace. The trace is
+read by the simulator's own reader (sim/calibrate.read_trace, as `simulate --calibrate-from` reads it).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pagedserve.sim.cost_model import MODELS, PROFILES, Hardware, RooflineCost, row_features   # noqa: E402
+from pagedserve.sim.calibrate import read_trace                                                  # noqa: E402
+from pagedserve.sim.cost_model import MODELS, PROFILES, Hardware, RooflineCost                  # noqa: E402
 
 STEP_OVERHEAD_S = [i * 5e-4 for i in range(0, 41)]          # 0 .. 20 ms
 SEQ_OVERHEAD_S = [i * 1e-5 for i in range(0, 101, 2)]       # 0 .. 1 ms
@@ -31,8 +33,8 @@ def median_error(shape, hw: Hardware, samples) -> float:
 
 
 def fit(shape, base: Hardware, samples) -> dict:
-    """samples: (StepFeatures, measured seconds). The fitted profile, its error on the held-out half, on all
-    steps, and the datasheet profile's error on all steps."""
+    """samples: (StepFeatures, measured seconds), as sim/calibrate.read_trace gives them. The fitted profile, its
+    error on the held-out half, on all steps, and the error of `base` (the profile it starts from) on all steps."""
     train, test = samples[0::2], samples[1::2]
     best = min(((median_error(shape, hw, train), hw) for hw in
                 (dataclasses.replace(base, step_overhead_s=a, seq_overhead_s=b, matmul_eff=m)
@@ -40,16 +42,7 @@ def fit(shape, base: Hardware, samples) -> dict:
     return dict(step_overhead_s=best.step_overhead_s, seq_overhead_s=best.seq_overhead_s, matmul_eff=best.matmul_eff,
                 held_out_median_rel_error=round(median_error(shape, best, test), 3),
                 all_steps_median_rel_error=round(median_error(shape, best, samples), 3),
-                datasheet_median_rel_error=round(median_error(shape, base, samples), 3), steps=len(samples))
-
-
-def read_trace(path: str, shape) -> list:
-    out = []
-    with open(path) as f:
-        for line in f:
-            d = json.loads(line)
-            out.append((row_features(shape, [tuple(s) for s in d["seqs"]]), d["step_s"]))
-    return out
+                profile_median_rel_error=round(median_error(shape, base, samples), 3), steps=len(samples))
 
 
 def main() -> None:

@@ -344,7 +344,8 @@ def ours(d: str, reqs: list[dict], device: str, trace_path: str, out: str, profi
                h200_profile_median_rel_error=med(errs), h200_profile_decode_only_median_rel_error=med(decode_only),
                step_ms_p50=med([s["step_ms"] for s in steps]), trace=trace_path)
     try:                    # the h200 profile refitted to this trace (bench/fit_gpu_profile.py)
-        from bench.fit_gpu_profile import fit as fit_profile, read_trace
+        from bench.fit_gpu_profile import fit as fit_profile
+        from pagedserve.sim.calibrate import read_trace
         res["h200_profile_refit"] = fit_profile(shape, PROFILES["h200"], read_trace(trace_path, shape))
     except Exception as e:
         res["h200_profile_refit"] = f"{type(e).__name__}: {e}"

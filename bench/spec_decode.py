@@ -69,6 +69,7 @@ CHAT = [
     "Write a short poem about autumn rain.",
     "Describe the water cycle in a few paragraphs.",
 ]
+WORKLOADS = {"grounded": GROUNDED, "long": LONG, "chat": CHAT}
 
 
 def prompt_ids(texts):
@@ -125,7 +126,7 @@ def run(configs: list[str], tokens: int, k: int, workloads: list[str], draft: st
     for w in workloads:
         acc = [{"tokens": 0, "secs": 0.0, "outputs": [], "d0": llm.engine.scheduler.spec_stats.num_draft_tokens,
                 "a0": llm.engine.scheduler.spec_stats.num_accepted_tokens} for llm, _, _ in llms]
-        for i, ids in enumerate(prompt_ids({"grounded": GROUNDED, "long": LONG, "chat": CHAT}[w])):
+        for i, ids in enumerate(prompt_ids(WORKLOADS[w])):
             for (llm, seeded, _), a in zip(llms, acc):
                 t = time.perf_counter()
                 o = llm.generate([{"prompt_token_ids": ids}], sp(i, seeded), use_tqdm=False)[0].outputs[0]

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from spec_decode import CHAT, GROUNDED, prompt_ids
+from spec_decode import WORKLOADS, prompt_ids
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.core.request import Request
@@ -103,7 +103,7 @@ def main():
     a = ap.parse_args()
     ks = [int(x) for x in a.k.split(",")]
     print(f"host: {describe()}; {time.strftime('%Y-%m-%d')}")
-    workloads = {w: prompt_ids(GROUNDED if w == "grounded" else CHAT) for w in a.workloads.split(",")}
+    workloads = {w: prompt_ids(WORKLOADS[w]) for w in a.workloads.split(",")}
     llm = LLM(num_kv_blocks=512)
     outputs = {w: [llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=a.tokens, temperature=0.0),
                                 use_tqdm=False)[0].outputs[0].token_ids for ids in ps] for w, ps in workloads.items()}

@@ -6,11 +6,10 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
-from pagedserve.sim.cost_model import (FittedCost, ModelShape, cache_path, fit, host_key, shape_of_engine,
-                                       step_features)
+from pagedserve.sim.cost_model import (FittedCost, ModelShape, StepFeatures, cache_path, fit, host_key, row_features,
+                                       shape_of_engine, step_features)
 from pagedserve.sim.simulator import SimRequest, poisson_workload
 
 log = logging.getLogger("pagedserve")
@@ -64,26 +63,19 @@ class StepTrace:
         self.file.write(json.dumps({"step_s": engine.last_stats.step_s, "seqs": seqs}) + "\n")
 
 
-@dataclass(slots=True, frozen=True)
-class _Row:
-    num_samples: int
-
-
-@dataclass(slots=True, frozen=True)
-class _Seq:
-    start: int
-    num_tokens: int
-    sampling: _Row | None
-
-
-def fit_trace(path: str, shape: ModelShape) -> FittedCost:
+def read_trace(path: str, shape: ModelShape) -> list[tuple[StepFeatures, float]]:
+    """A step trace's (features, seconds), one per step that ran sequences (StepTrace's lines)."""
     samples = []
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            seqs = [_Seq(a, n, _Row(k) if k else None) for a, n, k in d["seqs"]]
-            if seqs:
-                samples.append((step_features(shape, seqs), d["step_s"]))
+            if d["seqs"]:
+                samples.append((row_features(shape, map(tuple, d["seqs"])), d["step_s"]))
+    return samples
+
+
+def fit_trace(path: str, shape: ModelShape) -> FittedCost:
+    samples = read_trace(path, shape)
     model = fit(samples, host_key())
     log.info("fitted %d served steps from %s (median relative error %.1f%%)", len(samples), path,
              100 * model.rel_error_p50)
