@@ -99,7 +99,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     names = [f"adapter{i}" for i in range(1, 5)]
     for i, n in enumerate(names):
-        eng.add_lora(n, write_adapter(os.path.join(tmp, n), eng.model_config, a.rank, i, a.targets))
+        eng.loras.load(n, write_adapter(os.path.join(tmp, n), eng.model_config, a.rank, i, a.targets))
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
     if a.churn:
         return churn(llm, tmp, a)
@@ -138,10 +138,10 @@ def churn(llm, tmp: str, a) -> None:
         if i == a.churn:
             break
         name = f"churn-{i}"
-        eng.add_lora(name, paths[i % 2])
+        eng.loras.load(name, paths[i % 2])
         llm.generate({"prompt_token_ids": list(range(200, 264))}, SamplingParams(max_tokens=8, ignore_eos=True),
                      use_tqdm=False, lora_request=LoRARequest(name))
-        assert eng.remove_lora(name)
+        assert eng.loras.unload(name)
     print("RESULT " + json.dumps({"churn": a.churn, "rss_mib": rss, "rank": a.rank, "targets": a.targets,
                                   "held": eng.held(), "adapters_in_memory": len(eng.runner.lora.adapters)}))
 

@@ -93,6 +93,67 @@ def plan(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size
                   budget_bytes, fit_len, fit_p, fit_c, sliding_window, sliding_layers, layers)
 
 
+
+# ---------------------------------------------------------------- the engine's memory plan (EngineCore)
+def workspace_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, dtype_bytes: int) -> int:
+    """A step's scratch beside the weights and the KV pool: activations at the step's token budget, the
+    float32 logits of its sequences and the attention's gather of their contexts."""
+    act = max_num_batched_tokens * (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                    + 3 * cfg.intermediate_size)
+    gather = max_num_seqs * max_model_len * cfg.num_kv_heads * cfg.head_dim * 2
+    return (act + gather) * dtype_bytes + max_num_seqs * cfg.vocab_size * 4
+
+
+def pool_blocks(args, block_bytes: int, workspace: int, free: int, total: int | None, ranks: int) -> tuple[int, str]:
+    """The KV pool in blocks, and how it was sized: --num-kv-blocks, else --kv-cache-memory, else on a GPU
+    gpu_memory_utilization of each rank's device (`free` / `total`: its bytes once the weights are
+    loaded), else 20 % of the host's `free` bytes after the workspace, at most 4 GiB."""
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks, "num_kv_blocks"
+    if args.kv_cache_memory is not None:
+        from pagedserve.config import parse_bytes
+        budget, how = parse_bytes(args.kv_cache_memory, "kv_cache_memory"), "kv_cache_memory"
+    elif total is not None:
+        budget = gpu_kv_budget(free, total, args.gpu_memory_utilization, workspace) * ranks
+        how = (f"gpu_memory_utilization {args.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
+               f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
+    else:
+        budget = min(int(0.2 * max(0, free - workspace)), 4 * GiB)
+        how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
+    if budget // block_bytes < 2:
+        raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+    return budget // block_bytes, how
+
+
+def gpu_kv_budget(free: int, total: int, utilization: float, workspace: int) -> int:
+    """One GPU's KV pool bytes (vLLM's gpu_memory_utilization): the share of the device the engine may use,
+    less what is in use once the weights are loaded (this process's and any other's) and the step's
+    workspace. ValueError naming the parameter when nothing is left."""
+    budget = int(utilization * total) - (total - free) - workspace
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization:g} leaves no KV cache memory: "
+                         f"{utilization:g} x {total / GiB:.1f} GiB, {(total - free) / GiB:.1f} GiB already in use, "
+                         f"{workspace / GiB:.2f} GiB workspace")
+    return budget
+
+
+def window_plan(cfg, layout: KVLayout, bytes_per_token: int) -> str:
+    """The memory-plan line of a model with sliding-window layers: bytes per token per layer group."""
+    w = [cfg.window(i) for i in range(cfg.num_layers)]
+    per_layer = bytes_per_token // cfg.num_layers
+    groups = {win: w.count(win) for win in sorted(set(w))}
+    desc = ", ".join(f"{n} layers {'full' if win == 0 else f'window {win}'} ({n * per_layer} bytes/token)"
+                     for win, n in groups.items())
+    if layout.num_groups == 1 and layout.windows[0]:
+        return (f"sliding window: {desc}; blocks behind the window of every layer return to the pool while a "
+                "request runs")
+    if layout.num_groups == 1:
+        return (f"sliding window: {desc}; one block table serves every layer (--disable-hybrid-kv-cache-manager), "
+                "so KV behind the windows is kept")
+    return (f"sliding window: {desc}; block tables per group of layers: {layout.describe()} (a block id spans "
+            f"{layout.planes} layers); a window group's blocks behind its window return to the pool while a "
+            "request runs")
+
 def _mib(b: int) -> str:
     v = b / MiB
     return f"{v:,.2f}".rstrip("0").rstrip(".") + " MiB"

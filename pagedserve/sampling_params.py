@@ -227,3 +227,19 @@ class PoolingParams:
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):
             raise ParamError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+    def resolved(self, default_type: str | None, model: dict, hidden_size: int) -> PoolingParams:
+        """These params with the model's defaults filled in (`default_type`: --pooling; `model`: its
+        sentence-transformers config; else LAST, normalized); a ParamError for what this model cannot give."""
+        kind = self.pooling_type or (default_type or "").upper() or model.get("pooling_type") or "LAST"
+        if kind not in POOLING_TYPES:
+            raise ParamError("pooling_type", f"pooling_type: the model's pooling {kind!r} is not supported (supported: "
+                                             f"{', '.join(POOLING_TYPES)}; choose one with --pooling)")
+        normalize = self.normalize if self.normalize is not None else model.get("normalize", True)
+        if self.dimensions is not None:
+            allowed = model.get("matryoshka")            # None: not trained for truncation; []: any size
+            if allowed is None or (self.dimensions not in allowed if allowed else self.dimensions > hidden_size):
+                names = "no matryoshka dimensions" if allowed is None else f"matryoshka_dimensions {allowed or 'any'}"
+                raise ParamError("dimensions", f"dimensions: this model does not make {self.dimensions}-dimensional "
+                                               f"embeddings (its config names {names}; hidden size {hidden_size})")
+        return PoolingParams(kind, normalize, self.dimensions)

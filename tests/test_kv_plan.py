@@ -86,7 +86,7 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_from_what_the_gpu_has_left():
     the workspace; nothing left is a ValueError naming the parameter, and the argument is range-checked."""
     import pytest
     from pagedserve.config import EngineArgs
-    from pagedserve.engine.core import GiB, gpu_kv_budget
+    from pagedserve.kv_plan import GiB, gpu_kv_budget
     assert gpu_kv_budget(free=120 * GiB, total=140 * GiB, utilization=0.9, workspace=2 * GiB) == \
         int(0.9 * 140 * GiB) - 20 * GiB - 2 * GiB
     with pytest.raises(ValueError, match="gpu_memory_utilization 0.1 leaves no KV cache memory"):

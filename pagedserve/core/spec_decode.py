@@ -31,6 +31,7 @@ draft model's passes and reading) is at most PROBE_SHARE of the step time spent 
 draft (the reading counted whole here); its outcome moves the prior."""
 from __future__ import annotations
 
+import time
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -249,3 +250,63 @@ class SpecStats:
 
 __all__ = ["SETUP_HORIZON", "propose_ngram", "ngram_match", "StepCostTable", "Candidate", "choose_drafts", "update_acceptance", "AcceptancePrior",
            "SpecStats"]
+
+
+# ---------------------------------------------------------------- the cost tables, measured at start-up
+PROFILE_CONTEXT = 256        # tokens behind the rows whose step time the target's cost table measures
+
+
+def measure_step_costs(execute, kv, args, max_model_len: int, k: int) -> tuple[StepCostTable, float]:
+    """The target's step seconds by rows, on this host (`execute`: the executor's, one SchedulerOutput):
+    one sequence of R tokens whose rows all sample (a verification's shape: a decode and R - 1 drafts)
+    behind a context of PROFILE_CONTEXT tokens (written first, by the prefill chunk measured for a chunk
+    row's cost), so each row's attention is in its cost; R from 1 up to the most rows a step of k drafts
+    per sequence reaches; the best of two runs, after one warm-up. Also a prefill chunk's row: what an
+    n-row chunk costs beyond a one-row step (both at a prompt's start), a row. The blocks it writes are
+    taken from the pool and given back before any request exists."""
+    from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+    a = args
+    top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
+    grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
+    rows = sorted({r for r in grid if r <= top} | {top})
+    n = max(2, min(top, a.long_prefill_token_threshold))          # a prefill chunk's rows
+    free = kv.num_free_blocks * a.block_size - top
+    ctx = max(0, min(PROFILE_CONTEXT, free, max_model_len - top)) // n * n   # 0: a pool too small
+    blocks = kv.pool.get_new_blocks(kv.blocks_needed(ctx + top))
+    ids = (tuple(b.block_id for b in blocks),) * len(kv.windows)   # (groups may share them: values unused)
+    row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
+
+    def run(r: int, start: int = ctx, chunk: bool = False) -> float:
+        so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, start, ids, row, num_draft=0 if chunk else r - 1),))
+        t0 = time.perf_counter()
+        execute(so)
+        return time.perf_counter() - t0
+    try:
+        run(n, 0, chunk=True)
+        chunk_s = min(run(n, 0, chunk=True), run(n, 0, chunk=True))
+        one_s = min(run(1, 0), run(1, 0))
+        for start in range(n, ctx, n):                          # the rest of the context, written once
+            run(n, start, chunk=True)
+        run(1)
+        seconds = [min(run(r), run(r)) for r in rows]
+    finally:
+        kv.pool.free_blocks(blocks)
+        execute(SchedulerOutput(finished_req_ids=("spec-profile",)))
+    return StepCostTable(rows, seconds), max(0.0, chunk_s - one_s) / (n - 1)
+
+
+def measure_draft_costs(drafter, kv, args) -> tuple[StepCostTable, float]:
+    """The draft model's proposing pass by sequences in it (one decode row each), and its seconds per
+    token of reading a context (a 128-token chunk), on this host."""
+    from pagedserve.core.step import SamplingRow
+    from pagedserve.sampling_params import SamplingParams
+    top = min(args.max_num_seqs, args.max_num_batched_tokens, 64)
+    rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= top} | {top})
+    blocks = kv.pool.get_new_blocks(min(kv.blocks_needed(128), kv.pool.num_usable_blocks // 2))
+    row = SamplingRow("draft-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
+    try:
+        seconds, read_s = drafter.measure(rows, tuple(b.block_id for b in blocks), row)
+    finally:
+        kv.pool.free_blocks(blocks)
+    return StepCostTable(rows, seconds), read_s

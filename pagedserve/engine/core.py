@@ -11,14 +11,14 @@ import time
 
 import torch
 
-from pagedserve.config import EngineArgs, SpeculativeConfig, parse_bytes
+from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request, RequestStatus, owner_id
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, StepCostTable
-from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
+from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
+from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
@@ -27,19 +27,17 @@ from pagedserve.host import auto_dtype, available_memory_bytes, fix_malloc_thres
 from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
+from pagedserve.kv_plan import GiB, pool_blocks, window_plan, workspace_bytes
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
-from pagedserve.lora_request import LoRAEntry, LoRARegistry, LoRARequest, parse_lora_modules
-from pagedserve.model.lora import read_adapter
+from pagedserve.lora_request import LoRARegistry
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
-from pagedserve.runner.draft_runner import DraftRunner
+from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
-from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
+from pagedserve.sampling_params import PoolingParams, SamplingParams
 from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
-GiB = 2**30
-PROFILE_CONTEXT = 256        # tokens behind the rows whose step time the drafting rule's cost table measures
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,7 +85,8 @@ class EngineCore:
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
         self.weights_bytes = weight_bytes(self.model) * tp.size
-        self.workspace_bytes = self._workspace_bytes(dtype)
+        self.workspace_bytes = workspace_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
+                                               dtype.itemsize)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
         # bytes of one token in every layer (full attention everywhere: the seed's arithmetic)
@@ -99,7 +98,8 @@ class EngineCore:
         # a block id spans `planes` layers (all of them, unless groups of layers have tables of their own)
         self.kv_block_bytes = self.kv_cache_bytes_per_token // cfg.num_layers * layout.planes * args.block_size
         spec = SpeculativeConfig.parse(args.speculative_config)
-        draft = self._load_draft(spec, dtype, layout) if spec is not None and spec.method == "draft_model" else None
+        draft = load_draft(spec, args, dtype, layout, cfg, self.tokenizer) \
+            if spec is not None and spec.method == "draft_model" else None
         if draft is not None:          # its KV lives in the same block ids: a block holds both models' slices
             self.kv_block_bytes += draft.cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype)) \
                 * args.block_size
@@ -143,28 +143,21 @@ class EngineCore:
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
-        self.loras: LoRARegistry | None = None            # adapter name -> id (enable_lora); weights: the runner
-        self._retired_loras: set[int] = set()             # unloaded adapters still used by requests in flight
-        if args.enable_lora:
-            modules = parse_lora_modules(args.lora_modules)
-            self.loras = LoRARegistry(args.max_cpu_loras or max(args.max_loras, len(modules)) + 8)
-            self.runner.enable_lora(args.max_loras, args.max_lora_rank)
-            for name, path in modules.items():
-                self.add_lora(name, path, field="lora_modules")
-            log.info("LoRA: up to %d adapters per step, rank <= %d, %d loaded (%s), at most %d in memory",
-                     args.max_loras, args.max_lora_rank, len(modules), ", ".join(modules) or "none",
-                     self.loras.capacity)
+        self.loras = LoRARegistry(args, self.runner, cfg, lambda: {r.lora_id for r in self.scheduler.requests.values()}) \
+            if args.enable_lora else None        # the adapters (weights: the runner)
         self.scheduler.spec = spec
         if spec is not None:
             self.scheduler.spec_prior = AcceptancePrior(PRIOR_ACCEPTANCE[spec.method])
         if spec is not None and spec.adaptive:
-            self.scheduler.spec_cost = cost = self._measure_step_costs(spec.num_speculative_tokens)
+            cost, self.scheduler.spec_prefill_row_s = measure_step_costs(
+                self.executor.execute, self.kv, args, self.max_model_len, spec.num_speculative_tokens)
+            self.scheduler.spec_cost = cost
             log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s; a prefill chunk's "
                      "row %.2f ms", spec.method, spec.num_speculative_tokens,
                      " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()),
                      self.scheduler.spec_prefill_row_s * 1e3)
             if draft is not None:
-                dcost, read_s = self._measure_draft_costs()
+                dcost, read_s = measure_draft_costs(self.runner.drafter, self.kv, args)
                 self.scheduler.spec_draft_cost, self.scheduler.spec_draft_read_s = dcost, read_s
                 log.info("speculative decoding: draft model %s; its proposing pass by sequences (ms) %s; reading "
                          "context %.2f ms/token", spec.model, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in
@@ -185,124 +178,14 @@ class EngineCore:
                  "`pagedserve simulate --calibrate` makes one), refitted as steps run")
         return cost
 
-    def _measure_step_costs(self, k: int) -> StepCostTable:
-        """Step seconds by rows, on this host, for the drafting rule: one sequence of R tokens whose
-        rows all sample (a verification's shape: a decode and R - 1 drafts) behind a context of
-        PROFILE_CONTEXT tokens (written first, by the prefill chunk measured for a chunk row's cost), so
-        each row's attention is in its cost; R from 1 up to the most rows a step of k drafts per
-        sequence reaches; the best of two runs, after one warm-up. The blocks it writes are taken from
-        the pool and given back before any request exists."""
-        a = self.args
-        top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
-        grid = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65, 97, 129, 193, 256)
-        rows = sorted({r for r in grid if r <= top} | {top})
-        n = max(2, min(top, a.long_prefill_token_threshold))          # a prefill chunk's rows
-        free = self.kv.num_free_blocks * a.block_size - top
-        ctx = max(0, min(PROFILE_CONTEXT, free, self.max_model_len - top)) // n * n   # 0: a pool too small
-        blocks = self.kv.pool.get_new_blocks(self.kv.blocks_needed(ctx + top))
-        ids = (tuple(b.block_id for b in blocks),) * len(self.kv.windows)   # (groups may share them: values unused)
-        row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
-
-        def run(r: int, start: int = ctx, chunk: bool = False) -> float:
-            so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, start, ids, row,
-                                               num_draft=0 if chunk else r - 1),))
-            t0 = time.perf_counter()
-            self.executor.execute(so)
-            return time.perf_counter() - t0
-        try:
-            run(n, 0, chunk=True)
-            chunk_s = min(run(n, 0, chunk=True), run(n, 0, chunk=True))
-            one_s = min(run(1, 0), run(1, 0))
-            for start in range(n, ctx, n):                          # the rest of the context, written once
-                run(n, start, chunk=True)
-            run(1)
-            seconds = [min(run(r), run(r)) for r in rows]
-        finally:
-            self.kv.pool.free_blocks(blocks)
-            self.executor.execute(SchedulerOutput(finished_req_ids=("spec-profile",)))
-        # a prefill chunk's row: what an n-row chunk costs beyond a one-row step (both at a prompt's start), a row
-        self.scheduler.spec_prefill_row_s = max(0.0, chunk_s - one_s) / (n - 1)
-        return StepCostTable(rows, seconds)
-
-    def _load_draft(self, spec: SpeculativeConfig, dtype: torch.dtype, layout: KVLayout):
-        """The draft model of speculative method draft_model, in this engine's dtype, weights packed or
-        dense by the same rule as the target's; ValueError naming speculative_config.model when it cannot
-        draft for this target (another tokenizer or vocabulary, or a target whose layers keep windows)."""
-        args, field = self.args, "speculative_config.model"
-        if layout.windows != (0,):
-            raise ParamError(field, f"{field}: a draft model needs one block table of full-attention layers, and this "
-                             f"model's layers keep attention windows ({layout.describe()}); pass "
-                             "--disable-hybrid-kv-cache-manager, or use method 'ngram'")
-        try:
-            src = resolve_model(spec.model)
-        except (OSError, ValueError) as e:
-            raise ParamError(field, f"{field}: {e}") from None
-        # its own "auto" ignores --dtype float32's exactness (a draft need not be exact): packed + a dense copy
-        quant, dense_copy, _ = choose_quantization(spec.quantization or args.quantization, src.kind,
-                                                   "auto" if spec.quantization == "auto" else args.dtype, args.device, 1)
-        if quant == "gguf" and src.kind != "gguf":
-            raise ParamError("speculative_config.quantization", "speculative_config.quantization 'gguf' keeps a GGUF "
-                             f"file's blocks packed, but the draft {spec.model} is an HF folder")
-        # its activations int8-rounded wherever its weights are packed: a draft need not be exact
-        model, cfg = load_model(src, dtype, args.device, quant, None, quant != "none", dense_copy)
-        if cfg.vocab_size != self.model_config.vocab_size:
-            raise ParamError(field, f"{field}: the draft's vocabulary has {cfg.vocab_size} tokens, the target's "
-                             f"{self.model_config.vocab_size}: a draft model must share the target's tokenizer")
-        if load_tokenizer(src).get_vocab() != self.tokenizer.get_vocab():
-            raise ParamError(field, f"{field}: the draft's tokenizer differs from the target's (same vocabulary "
-                             "size, other tokens): a draft model must share the target's tokenizer")
-        log.info("speculative decoding: draft model %s (%s, %d layers, quantization %s, %.0f MiB of weights; its KV "
-                 "shares the target's blocks: the memory plan's weights and bytes per token include it)", spec.model,
-                 src.kind, cfg.num_layers, quant, weight_bytes(model) / 2**20)
-        return model
-
-    def _measure_draft_costs(self) -> tuple[StepCostTable, float]:
-        """The draft model's proposing pass by sequences in it (one decode row each), and its seconds per
-        token of reading a context (a 128-token chunk), on this host."""
-        a = self.args
-        top = min(a.max_num_seqs, a.max_num_batched_tokens, 64)
-        rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= top} | {top})
-        blocks = self.kv.pool.get_new_blocks(min(self.kv.blocks_needed(128), self.kv.pool.num_usable_blocks // 2))
-        row = SamplingRow("draft-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
-        try:
-            seconds, read_s = self.runner.drafter.measure(rows, tuple(b.block_id for b in blocks), row)
-        finally:
-            self.kv.pool.free_blocks(blocks)
-        return StepCostTable(rows, seconds), read_s
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""
         self.executor.shutdown()
 
-    # ------------------------------------------------------------ memory plan
-    def _workspace_bytes(self, dtype) -> int:
-        c, a = self.model_config, self.args
-        t = a.max_num_batched_tokens
-        act = t * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
-        logits = a.max_num_seqs * c.vocab_size * 4
-        gather = a.max_num_seqs * self.max_model_len * c.num_kv_heads * c.head_dim * 2
-        return act * (torch.finfo(dtype).bits // 8) + logits + gather * (torch.finfo(dtype).bits // 8)
-
     def _size_kv_pool(self, kv_dtype: torch.dtype) -> int:
         a, per_block = self.args, self.kv_block_bytes
-        if a.num_kv_blocks is not None:
-            blocks, how = a.num_kv_blocks, "num_kv_blocks"
-        else:
-            if a.kv_cache_memory is not None:
-                budget, how = parse_bytes(a.kv_cache_memory, "kv_cache_memory"), "kv_cache_memory"
-            elif a.device == "cuda":
-                free, total = torch.cuda.mem_get_info()
-                ranks = self.executor.tp.size       # each rank holds its share of the KV heads on its own GPU
-                budget = gpu_kv_budget(free, total, a.gpu_memory_utilization, self.workspace_bytes) * ranks
-                how = (f"gpu_memory_utilization {a.gpu_memory_utilization:g} of {total / GiB:.1f} GiB per GPU, "
-                       f"{(total - free) / GiB:.1f} GiB in use after the weights, minus the workspace; x {ranks} rank(s)")
-            else:
-                free = available_memory_bytes()
-                budget = min(int(0.2 * max(0, free - self.workspace_bytes)), 4 * GiB)
-                how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
-            blocks = budget // per_block
-            if blocks < 2:
-                raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        free, total = torch.cuda.mem_get_info() if a.device == "cuda" else (available_memory_bytes(), None)
+        blocks, how = pool_blocks(a, per_block, self.workspace_bytes, free, total, self.executor.tp.size)
         kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head" if kv_scale_bytes(kv_dtype)
                                                   else "")
         log.info("memory plan: weights %.2f GiB (%s) | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
@@ -312,83 +195,12 @@ class EngineCore:
                  blocks * per_block / GiB, how, blocks, a.block_size, blocks * a.block_size, per_block // a.block_size)
         return int(blocks)
 
-    # ------------------------------------------------------------ LoRA adapters
-    def add_lora(self, name: str, path: str, field: str = "lora_path") -> LoRAEntry:
-        """Load a PEFT adapter folder under `name`; ValueError naming what is wrong (`field`: the path's
-        parameter). Call it in the engine thread (the server's AsyncLLMEngine.call)."""
-        if self.loras is None:
-            raise ValueError("enable_lora: this engine runs without LoRA (--enable-lora)")
-        self.loras.check_room(name)
-        weights = read_adapter(path, self.model_config, self.args.max_lora_rank, field)
-        entry = self.loras.add(name, path, weights.rank)
-        self.runner.add_lora(entry.lora_id, weights)
-        log.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", name, path, weights.rank, weights.nbytes / 2**20)
-        return entry
-
-    def remove_lora(self, name: str) -> bool:
-        """Unload an adapter: new requests can no longer name it; those in flight finish with it (its
-        weights go when the last of them ends). False when no adapter has that name."""
-        entry = None if self.loras is None else self.loras.remove(name)
-        if entry is None:
-            return False
-        self._retired_loras.add(entry.lora_id)
-        self._drop_retired_loras()
-        log.info("LoRA adapter %r unloaded", name)
-        return True
-
-    def _drop_retired_loras(self) -> None:
-        live = {r.lora_id for r in self.scheduler.requests.values()}
-        for lora_id in self._retired_loras - live:
-            self.runner.remove_lora(lora_id)
-        self._retired_loras &= live
-
-    def lora_id(self, lora: LoRARequest | None) -> int:
-        """The engine's id of a request's adapter (0: none), loading it when a LoRARequest names a new one."""
-        if lora is None:
-            return 0
-        if not isinstance(lora, LoRARequest):
-            raise ValueError("lora_request must be a LoRARequest")
-        if self.loras is None:
-            raise ParamError("lora_request", "lora_request: this engine runs without LoRA (enable_lora)")
-        entry = self.loras.get(lora.lora_name)
-        if entry is None:
-            if not lora.lora_path:
-                raise ParamError("lora_request", f"lora_request: no adapter named {lora.lora_name!r} is loaded")
-            try:
-                entry = self.add_lora(lora.lora_name, lora.lora_path)
-            except ValueError as e:
-                raise ParamError("lora_request", str(e)) from None
-        elif lora.lora_path and lora.lora_path != entry.path:
-            raise ParamError("lora_request", f"lora_request: the adapter {lora.lora_name!r} is loaded from "
-                                             f"{entry.path!r}, not {lora.lora_path!r}")
-        return entry.lora_id
-
     # ------------------------------------------------------------ requests
     def check_token_ids(self, param: str, ids, label: str | None = None) -> None:
         V = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
-
-    def resolve_pooling(self, p: PoolingParams) -> PoolingParams:
-        """A request's pooling with the model's defaults filled in (--pooling, then its sentence-
-        transformers config, then LAST normalized); a ParamError for what this model cannot give."""
-        model = self.model_pooling
-        kind = p.pooling_type or (self.args.pooling or "").upper() or model.get("pooling_type") or "LAST"
-        if kind not in POOLING_TYPES:
-            raise ParamError("pooling_type", f"pooling_type: the model's pooling {kind!r} is not supported (supported: "
-                                             f"{', '.join(POOLING_TYPES)}; choose one with --pooling)")
-        normalize = p.normalize if p.normalize is not None else model.get("normalize", True)
-        if p.dimensions is not None:
-            allowed = model.get("matryoshka")            # None: not trained for truncation; []: any size
-            ok = allowed is not None and (p.dimensions in allowed if allowed else
-                                          p.dimensions <= self.model_config.hidden_size)
-            if not ok:
-                names = "no matryoshka dimensions" if allowed is None else f"matryoshka_dimensions {allowed or 'any'}"
-                raise ParamError("dimensions", f"dimensions: this model does not make {p.dimensions}-dimensional "
-                                               f"embeddings (its config names {names}; hidden size "
-                                               f"{self.model_config.hidden_size})")
-        return PoolingParams(kind, normalize, p.dimensions)
 
     def precompile(self, params: SamplingParams | PoolingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""
@@ -409,8 +221,8 @@ class EngineCore:
             req = self.scheduler.requests.get(sid)
             if req is not None:
                 self.scheduler.finish(req, status)
-        if self._retired_loras:
-            self._drop_retired_loras()
+        if self.loras is not None:
+            self.loras.drop_retired()
 
     def held(self) -> dict[str, int]:
         return {**self.scheduler.held(), **self.kv.held(), **self.runner.held()}
@@ -441,8 +253,8 @@ class EngineCore:
             ro, out = RunnerOutput(), EngineCoreOutputs(failed=tuple(dict.fromkeys(
                 owner_id(r) for r in reqs if r is not None)), error=RequestFailure(
                 "internal_error", f"the engine step running this request failed: {type(e).__name__}: {e}"))
-        if self._retired_loras:
-            self._drop_retired_loras()
+        if self.loras is not None:
+            self.loras.drop_retired()
         step_s = time.perf_counter() - t0
         if not idle:
             self._record_stats(so, ro, step_s)
@@ -481,32 +293,3 @@ class EngineCore:
             step_s=step_s, forward_s=ro.forward_s,
             prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s)
 
-
-def gpu_kv_budget(free: int, total: int, utilization: float, workspace: int) -> int:
-    """One GPU's KV pool bytes (vLLM's gpu_memory_utilization): the share of the device the engine may use,
-    less what is in use once the weights are loaded (this process's and any other's) and the step's
-    workspace. ValueError naming the parameter when nothing is left."""
-    budget = int(utilization * total) - (total - free) - workspace
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization {utilization:g} leaves no KV cache memory: "
-                         f"{utilization:g} x {total / GiB:.1f} GiB, {(total - free) / GiB:.1f} GiB already in use, "
-                         f"{workspace / GiB:.2f} GiB workspace")
-    return budget
-
-
-def window_plan(cfg, layout: KVLayout, bytes_per_token: int) -> str:
-    """The memory-plan line of a model with sliding-window layers: bytes per token per layer group."""
-    w = [cfg.window(i) for i in range(cfg.num_layers)]
-    per_layer = bytes_per_token // cfg.num_layers
-    groups = {win: w.count(win) for win in sorted(set(w))}
-    desc = ", ".join(f"{n} layers {'full' if win == 0 else f'window {win}'} ({n * per_layer} bytes/token)"
-                     for win, n in groups.items())
-    if layout.num_groups == 1 and layout.windows[0]:
-        return (f"sliding window: {desc}; blocks behind the window of every layer return to the pool while a "
-                "request runs")
-    if layout.num_groups == 1:
-        return (f"sliding window: {desc}; one block table serves every layer (--disable-hybrid-kv-cache-manager), "
-                "so KV behind the windows is kept")
-    return (f"sliding window: {desc}; block tables per group of layers: {layout.describe()} (a block id spans "
-            f"{layout.planes} layers); a window group's blocks behind its window return to the pool while a "
-            "request runs")

@@ -14,7 +14,7 @@ from pagedserve.engine.core import EngineCore
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestFailure, RequestOutput
 from pagedserve.errors import ParamError
-from pagedserve.lora_request import LoRARequest
+from pagedserve.lora_request import LoRARequest, lora_id
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 log = logging.getLogger("pagedserve")
@@ -58,7 +58,7 @@ class LLMEngine:
         core = self.core
         pooling = None
         if isinstance(params, PoolingParams):
-            pooling = core.resolve_pooling(params)
+            pooling = params.resolved(core.args.pooling, core.model_pooling, core.model_config.hidden_size)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -87,7 +87,7 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.pooling = pooling
-        req.lora_id = core.lora_id(lora_request)
+        req.lora_id = lora_id(core.loras, lora_request)
         core.add(req)                   # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(RequestState(
             request_id, text, ids, params, stream, params.n, req.arrival_time, klass, sink))

@@ -3,6 +3,7 @@ EngineArgs (EngineArgs.add_cli_args)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -107,29 +108,6 @@ def cmd_serve(ns) -> int:
     return run_server(EngineArgs.from_cli_args(ns), ns)
 
 
-def cmd_top(ns) -> int:
-    from pagedserve.entrypoints.top import run_top
-    try:
-        return run_top(ns)
-    except KeyboardInterrupt:
-        return 0
-
-
-def cmd_router(ns) -> int:
-    from pagedserve.router.app import run_router
-    return run_router(ns)
-
-
-def cmd_simulate(ns) -> int:
-    from pagedserve.sim.cli import run_simulate
-    return run_simulate(ns)
-
-
-def cmd_kv_plan(ns) -> int:
-    from pagedserve.kv_plan import run_kv_plan
-    return run_kv_plan(ns)
-
-
 def _generate_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -177,29 +155,16 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.set_defaults(fn=cmd_serve)
 
 
-def _top_flags(t: argparse.ArgumentParser) -> None:
-    from pagedserve.entrypoints.top import add_top_flags
-    add_top_flags(t)
-    t.set_defaults(fn=cmd_top)
-
-
-def _router_flags(ro: argparse.ArgumentParser) -> None:
-    from pagedserve.router.app import add_router_flags
-    add_router_flags(ro)
-    ro.set_defaults(fn=cmd_router)
-
-
-def _simulate_flags(m: argparse.ArgumentParser) -> None:
-    from pagedserve.sim.cli import add_simulate_flags
-    add_simulate_flags(m)
-    EngineArgs.add_cli_args(m)
-    m.set_defaults(fn=cmd_simulate)
-
-
-def _kv_plan_flags(k: argparse.ArgumentParser) -> None:
-    from pagedserve.kv_plan import add_kv_plan_flags
-    add_kv_plan_flags(k)
-    k.set_defaults(fn=cmd_kv_plan)
+def _lazy(module: str, name: str, engine_flags: bool = False):
+    """The flags of a subcommand that lives in `module`: its add_<name>_flags (and the engine's), its
+    run_<name> to run it; the module is imported only when that subcommand is asked for."""
+    def add_flags(p: argparse.ArgumentParser) -> None:
+        mod = importlib.import_module(module)
+        getattr(mod, f"add_{name}_flags")(p)
+        if engine_flags:
+            EngineArgs.add_cli_args(p)
+        p.set_defaults(fn=getattr(mod, f"run_{name}"))
+    return add_flags
 
 
 # subcommand -> (its one-line help, what adds its flags). A subcommand's flags import what it runs (the
@@ -209,10 +174,11 @@ SUBCOMMANDS = {
     "generate": ("generate a reply to one prompt", _generate_flags),
     "chat": ("interactive chat", _chat_flags),
     "serve": ("OpenAI-compatible HTTP server", _serve_flags),
-    "top": ("the dashboard's live view of a running server, on the terminal", _top_flags),
-    "router": ("one OpenAI front over data-parallel replicas, cache-aware", _router_flags),
-    "simulate": ("capacity planning: the real scheduler on a step-time cost model", _simulate_flags),
-    "kv-plan": ("KV-cache memory arithmetic: blocks, bytes, waste, capacity", _kv_plan_flags),
+    "top": ("the dashboard's live view of a running server, on the terminal", _lazy("pagedserve.entrypoints.top", "top")),
+    "router": ("one OpenAI front over data-parallel replicas, cache-aware", _lazy("pagedserve.router.app", "router")),
+    "simulate": ("capacity planning: the real scheduler on a step-time cost model",
+                 _lazy("pagedserve.sim.cli", "simulate", engine_flags=True)),
+    "kv-plan": ("KV-cache memory arithmetic: blocks, bytes, waste, capacity", _lazy("pagedserve.kv_plan", "kv_plan")),
 }
 
 
@@ -240,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                   # how one leaves `top` and `chat`; an interrupted command: 130
+        return 0 if ns.cmd in ("top", "chat") else 130
 
 
 if __name__ == "__main__":

@@ -51,26 +51,28 @@ async def models(http: Request):
 
 
 # ---------------------------------------------------------------- LoRA adapters at run time (vLLM's routes)
+def _with_lora(http: Request):
+    if (st := _state(http)).engine.loras is None:
+        raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
+    return st
+
+
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
     """Load a PEFT adapter folder under a name requests can then give as `model`. 400 naming the field
     when the server runs without --enable-lora, the name is taken or the folder does not fit the model."""
-    st = _state(http)
-    if st.engine.loras is None:
-        raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
+    st = _with_lora(http)
     if body.lora_name == st.model_name:
         raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is the served model's name")
-    await st.aengine.call(lambda: st.engine.add_lora(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
+    await st.aengine.call(lambda: st.engine.loras.load(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, http: Request):
     """Unload an adapter: later requests naming it get a 404; those in flight finish with it."""
-    st = _state(http)
-    if st.engine.loras is None:
-        raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
-    if not await st.aengine.call(lambda: st.engine.remove_lora(body.lora_name)):
+    st = _with_lora(http)
+    if not await st.aengine.call(lambda: st.engine.loras.unload(body.lora_name)):
         raise RequestError("lora_name", f"lora_name: no LoRA adapter named {body.lora_name!r} is loaded", 404,
                            "NotFoundError")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -150,10 +152,7 @@ async def tokenize(body: TokenizeRequest, http: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, http: Request):
     st = _state(http)
-    V = st.engine.model_config.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < V]
-    if bad:
-        raise RequestError("tokens", f"tokens: token id {bad[0]} is outside the vocabulary [0, {V})")
+    st.engine.check_token_ids("tokens", body.tokens)         # a 400 naming the field
     return {"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, body.tokens)}
 
 

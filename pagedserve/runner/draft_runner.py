@@ -24,6 +24,7 @@ least j tokens, one decode row each, and proposes draft j. What it proposes:
   (its generator is rewound past unused draws), which a sampled proposal would break."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -32,10 +33,15 @@ import torch
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.step import ScheduledSeq, SchedulerOutput
+from pagedserve.errors import ParamError
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.loader import load_model, resolve_model
+from pagedserve.model.quant import choose_quantization, weight_bytes
 from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.runner.sampler import sampling_probs
+from pagedserve.tokenizer import load_tokenizer
 
+log = logging.getLogger("pagedserve")
 CATCH_UP_ROWS = 1024        # the most rows one reading pass takes (a long context is read in several)
 
 
@@ -147,4 +153,37 @@ class DraftRunner:
         return [min(run(decode(r)), run(decode(r))) for r in rows], min(run(read), run(read)) / n
 
 
-__all__ = ["DraftRunner"]
+def load_draft(spec, args, dtype: torch.dtype, layout: KVLayout, target_cfg, target_tokenizer) -> LlamaForCausalLM:
+    """The draft model of speculative method draft_model, in this engine's dtype, weights packed or
+    dense by the same rule as the target's; ValueError naming speculative_config.model when it cannot
+    draft for this target (another tokenizer or vocabulary, or a target whose layers keep windows)."""
+    field = "speculative_config.model"
+    if layout.windows != (0,):
+        raise ParamError(field, f"{field}: a draft model needs one block table of full-attention layers, and this "
+                         f"model's layers keep attention windows ({layout.describe()}); pass "
+                         "--disable-hybrid-kv-cache-manager, or use method 'ngram'")
+    try:
+        src = resolve_model(spec.model)
+    except (OSError, ValueError) as e:
+        raise ParamError(field, f"{field}: {e}") from None
+    # its own "auto" ignores --dtype float32's exactness (a draft need not be exact): packed + a dense copy
+    quant, dense_copy, _ = choose_quantization(spec.quantization or args.quantization, src.kind,
+                                               "auto" if spec.quantization == "auto" else args.dtype, args.device, 1)
+    if quant == "gguf" and src.kind != "gguf":
+        raise ParamError("speculative_config.quantization", "speculative_config.quantization 'gguf' keeps a GGUF "
+                         f"file's blocks packed, but the draft {spec.model} is an HF folder")
+    # its activations int8-rounded wherever its weights are packed: a draft need not be exact
+    model, cfg = load_model(src, dtype, args.device, quant, None, quant != "none", dense_copy)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ParamError(field, f"{field}: the draft's vocabulary has {cfg.vocab_size} tokens, the target's "
+                         f"{target_cfg.vocab_size}: a draft model must share the target's tokenizer")
+    if load_tokenizer(src).get_vocab() != target_tokenizer.get_vocab():
+        raise ParamError(field, f"{field}: the draft's tokenizer differs from the target's (same vocabulary "
+                         "size, other tokens): a draft model must share the target's tokenizer")
+    log.info("speculative decoding: draft model %s (%s, %d layers, quantization %s, %.0f MiB of weights; its KV "
+             "shares the target's blocks: the memory plan's weights and bytes per token include it)", spec.model,
+             src.kind, cfg.num_layers, quant, weight_bytes(model) / 2**20)
+    return model
+
+
+__all__ = ["DraftRunner", "load_draft"]

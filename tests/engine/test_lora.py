@@ -268,7 +268,7 @@ def test_moe_experts_are_refused_attention_adapters_run(tmp_path, tokenizer):
     assert_greedy_match(out.outputs[0].token_ids, ref, lps)
     _adapter(hf, tmp_path / "mlp", ["gate_proj", "up_proj"], 4, 2)     # PEFT adapts the fused experts module
     with pytest.raises(ValueError, match=r"lora_path: .*mlp\.experts\.lora_[AB].*mixture-of-experts layers are not"):
-        llm.engine.add_lora("mlp", str(tmp_path / "mlp"))
+        llm.engine.loras.load("mlp", str(tmp_path / "mlp"))
 
 
 def test_served_adapters_with_the_openai_sdk(llama):
