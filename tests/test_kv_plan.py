@@ -94,3 +94,22 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_from_what_the_gpu_has_left():
     for bad in (0, 1.5, -0.2, "0.9", True):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineArgs(gpu_memory_utilization=bad).validate()
+
+
+def test_the_engines_kv_pool_is_sized_by_the_first_rule_that_applies():
+    """pool_blocks, the engine's memory plan without a device: --num-kv-blocks as given; --kv-cache-memory
+    in blocks; on a GPU (a `total` given) each rank's gpu_kv_budget x ranks; on the host 20 % of the
+    free bytes after the workspace, at most 4 GiB; fewer than 2 blocks is a ValueError naming the
+    parameter. The GPU branch runs only on a GPU otherwise: its arithmetic is checked here."""
+    import pytest
+    from pagedserve.config import EngineArgs
+    from pagedserve.kv_plan import GiB, gpu_kv_budget, pool_blocks
+    block = 2 * 2**20
+    assert pool_blocks(EngineArgs(num_kv_blocks=77), block, 0, 0, None, 1) == (77, "num_kv_blocks")
+    assert pool_blocks(EngineArgs(kv_cache_memory="64MiB"), block, 0, 0, None, 1) == (32, "kv_cache_memory")
+    blocks, how = pool_blocks(EngineArgs(gpu_memory_utilization=0.9), block, GiB, 120 * GiB, 140 * GiB, 2)
+    assert blocks == 2 * gpu_kv_budget(120 * GiB, 140 * GiB, 0.9, GiB) // block and "x 2 rank(s)" in how
+    assert pool_blocks(EngineArgs(), block, GiB, 11 * GiB, None, 1)[0] == 2 * GiB // block      # 20 % of 10 GiB
+    assert pool_blocks(EngineArgs(), block, 0, 100 * GiB, None, 1)[0] == 4 * GiB // block       # at most 4 GiB
+    with pytest.raises(ValueError, match="kv_cache_memory .* fewer than 2 blocks"):
+        pool_blocks(EngineArgs(kv_cache_memory="3MiB"), block, 0, 0, None, 1)
