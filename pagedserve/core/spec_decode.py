@@ -278,7 +278,8 @@ def measure_step_costs(execute, kv, args, max_model_len: int, k: int) -> tuple[S
     row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
 
     def run(r: int, start: int = ctx, chunk: bool = False) -> float:
-        so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, start, ids, row, num_draft=0 if chunk else r - 1),))
+        so = SchedulerOutput((ScheduledSeq("spec-profile", (0,) * r, start, ids, row,
+                                           num_draft=0 if chunk else r - 1),))
         t0 = time.perf_counter()
         execute(so)
         return time.perf_counter() - t0

@@ -143,8 +143,8 @@ class EngineCore:
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
-        self.loras = LoRARegistry(args, self.runner, cfg, lambda: {r.lora_id for r in self.scheduler.requests.values()}) \
-            if args.enable_lora else None        # the adapters (weights: the runner)
+        self.loras = None if not args.enable_lora else LoRARegistry(     # the adapters (weights: the runner)
+            args, self.runner, cfg, lambda: {r.lora_id for r in self.scheduler.requests.values()})
         self.scheduler.spec = spec
         if spec is not None:
             self.scheduler.spec_prior = AcceptancePrior(PRIOR_ACCEPTANCE[spec.method])
