@@ -182,7 +182,8 @@ def test_interleaved_rows_multiply_and_dequantize_as_the_files(level, fmt, m, mo
         w.permute_rows(torch.arange(n))
 
 
-@pytest.mark.skipif(not {"avx512-vnni", "avx2-vnni"} <= set(LEVELS), reason="needs a host with AVX512-VNNI")
+@pytest.mark.skipif(not {"avx512-vnni", "avx2-vnni"} <= set(LEVELS),
+                    reason="compares the avx512-vnni build with the avx2-vnni one: needs AVX512-VNNI and AVX-VNNI")
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "I8", "Q4_K", "Q6_K"])
 def test_sixteen_row_products_are_the_eight_row_ones_to_the_bit(fmt, monkeypatch):
     """The avx512-vnni build multiplies two 8-row groups a zmm; each lane does what the avx2-vnni build's
