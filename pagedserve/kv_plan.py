@@ -14,6 +14,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from pagedserve.config import parse_bytes
 from pagedserve.core.kv_layout import KVLayout
 
 MiB, GiB = 2**20, 2**30
@@ -111,7 +112,6 @@ def pool_blocks(args, block_bytes: int, workspace: int, free: int, total: int | 
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks, "num_kv_blocks"
     if args.kv_cache_memory is not None:
-        from pagedserve.config import parse_bytes
         budget, how = parse_bytes(args.kv_cache_memory, "kv_cache_memory"), "kv_cache_memory"
     elif total is not None:
         budget = gpu_kv_budget(free, total, args.gpu_memory_utilization, workspace) * ranks
@@ -209,7 +209,6 @@ def add_kv_plan_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def run_kv_plan(ns) -> int:
-    from pagedserve.config import parse_bytes
     layers, kv_heads, head_dim = ns.layers, ns.kv_heads, ns.head_dim
     if ns.model is not None:
         from pagedserve.model.loader import read_model_config, resolve_model

@@ -123,9 +123,8 @@ class Sampler:
         return out
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> torch.Tensor:
-        need_pen = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
-                    or r.params.presence_penalty or r.params.frequency_penalty]
-        need_min = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        need_pen = [i for i, r in enumerate(reqs) if _penalized(r)]
+        need_min = [i for i, r in enumerate(reqs) if _min_tokens_pending(r)]
         if not need_pen and not need_min:
             return logits
         logits = logits.clone()
@@ -169,12 +168,20 @@ class Sampler:
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
 
 
-def takes_plain_argmax(row: SamplingRow) -> bool:
-    """A row whose token is the argmax of the raw logits: greedy, without logprobs, penalties, logit bias
-    or min_tokens still to come (a grammar mask is the caller's to check)."""
+def _penalized(row: SamplingRow) -> bool:
     p = row.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and row.num_output_tokens >= p.min_tokens)
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def _min_tokens_pending(row: SamplingRow) -> bool:
+    return row.num_output_tokens < row.params.min_tokens
+
+
+def takes_plain_argmax(row: SamplingRow) -> bool:
+    """A row whose token is the argmax of the raw logits: greedy, without logprobs, logit bias, or what
+    _apply_penalties changes (penalties, min_tokens still to come); a grammar mask is the caller's to check."""
+    p = row.params
+    return p.greedy and p.logprobs is None and not p.logit_bias and not _penalized(row) and not _min_tokens_pending(row)
 
 
 def sampling_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
