@@ -63,7 +63,7 @@ GPU_WHEELS := pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pyte
 gpu-check-assets: setup
 	rm -rf build/gpu_check && mkdir -p build/gpu_check/wheels
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d build/gpu_check/wheels $(GPU_WHEELS)
-	$(PY) ../shared/bench/workload.py mixed64 > build/gpu_check/mixed64.jsonl
+	$(PY) bench/workload.py mixed64 > build/gpu_check/mixed64.jsonl
 
 clean:
 	rm -rf $(VENV)

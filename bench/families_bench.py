@@ -122,7 +122,7 @@ def main():
     ap.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)      # one child's work
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench")))
+    sys.path.insert(0, HERE)          # bench/workload.py: the shared generator's copy
     import workload
     reqs = workload.make(a.workload)[:a.requests]
     if a.side:

@@ -256,8 +256,8 @@ def make_big_model(d: str, layers: int, device: str, smoke: bool) -> None:
 
 def read_workload(smoke: bool) -> list[dict]:
     path = os.path.join(ASSETS, "mixed64.jsonl")
-    if not os.path.exists(path):            # here: the shared generator beside the repository
-        sys.path.insert(0, os.path.join(ROOT, "..", "shared", "bench"))
+    if not os.path.exists(path):            # here: the generator in bench/ (a copy of the shared one)
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
         import workload
         reqs = workload.make("mixed64")
     else:

@@ -24,7 +24,7 @@ SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
 
 
 def load_workload(name: str) -> list[dict]:
-    sys.path.insert(0, SHARED)
+    sys.path.insert(0, HERE)          # bench/workload.py: the shared generator's copy (the baselines stay in SHARED)
     import workload
     return workload.make(name)
 

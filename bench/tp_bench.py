@@ -21,7 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "bench"))
+sys.path.insert(0, HERE)          # bench/workload.py: the shared generator's copy
 
 
 def allreduce_costs(reps: int) -> list[dict]:

@@ -274,7 +274,7 @@ def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Ten
 class PackedProduct(ctypes.Structure):
     """packed_t: one packed product (model/quant.PackedWeight) and its bias."""
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
-                ("fmt", ctypes.c_int32), ("N", ctypes.c_int32)]
+                ("fmt", ctypes.c_int32), ("N", ctypes.c_int32), ("next", ctypes.c_void_p)]
 
 
 class LoRAProduct(ctypes.Structure):

@@ -156,11 +156,12 @@ typedef struct {            /* a step's prefill chunks (rows after its decode ro
     int32_t kv, pad_;       /* the format code their attention gets (KV_BF16_DOT: bf16 products) */
 } chunks_t;
 
-typedef struct {            /* one packed product: out (T x N) = x (T x K) . W^T (+ bias) */
+typedef struct packed {     /* one packed product: out (T x N) = x (T x K) . W^T (+ bias) */
     const uint8_t *w;
-    const float *bias;      /* NULL: none */
+    const float *bias;      /* NULL: none; the whole product's (every part's columns) */
     int64_t row_bytes;
-    int32_t fmt, N;
+    int32_t fmt, N;         /* this part's format and rows */
+    const struct packed *next;  /* the rows after these in another format (model/quant.PackedParts), or NULL */
 } packed_t;
 
 typedef struct {            /* one product's LoRA slots (model/lora.py LoRASlots), float32: A (parts x slots x
@@ -307,11 +308,15 @@ static void lora_add(const dstack_t *s, const lora_t *lo, const float *x, int T,
 
 static void product(const dstack_t *s, const packed_t *p, const lora_t *lo, const float *x, int T, int K,
                     float *out, float *lora_scratch) {
-    s->qmm(x, T, K, K, p->w, p->fmt, p->N, p->row_bytes, out, p->N);
+    int N = 0;
+    for (const packed_t *q = p; q; q = q->next) N += q->N;
+    int col = 0;
+    for (const packed_t *q = p; q; col += q->N, q = q->next)     /* each part its own kernel, into its columns */
+        s->qmm(x, T, K, K, q->w, q->fmt, q->N, q->row_bytes, out + col, N);
     if (p->bias)
         for (int t = 0; t < T; t++)
-            for (int n = 0; n < p->N; n++) out[(int64_t)t * p->N + n] += p->bias[n];
-    if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, p->N, lora_scratch);
+            for (int n = 0; n < N; n++) out[(int64_t)t * N + n] += p->bias[n];
+    if (lo && s->row_slot) lora_add(s, lo, x, T, K, out, N, lora_scratch);
 }
 
 /* x: T rows of the residual stream, H wide, updated in place through every layer: D decode rows (one per

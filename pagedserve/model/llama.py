@@ -27,7 +27,7 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded, pads_rows, warm
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import FORMATS as QFORMATS, PackedWeight, measure_crossover
+from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, measure_crossover
 from pagedserve.model.rope import rope_tables
 
 
@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, tran
     measures both on the model's own weights when it is loaded. A PackedWeight (--quantization)
     multiplies itself. Rows are padded to a bucket where the GEMM library keeps state per shape
     (pagedserve.model.gemm)."""
-    if isinstance(w, PackedWeight):
+    if isinstance(w, Packed):
         return w.matmul(x, b)
     if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
         return gemm(x, w, b)
@@ -275,10 +275,13 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits
 
-    def _probe_weight(self):
-        """The layer matrix the GEMM-form measurements use: the first dense MLP's (an MoE model may have none)."""
-        dense = [layer for layer in self.layers if layer.moe is None]
-        return dense[0].gate_up_proj.weight if dense else self.layers[0].qkv_proj.weight
+    def _dense_probes(self) -> list[torch.Tensor]:
+        """The matrices the GEMM-form measurement times: the first dense MLP's (an MoE model may have none;
+        a mixed GGUF file may keep only some products dense) and the LM head, where they are dense."""
+        mlps = [layer.gate_up_proj.weight for layer in self.layers if layer.moe is None]
+        others = [m.weight for layer in self.layers for m in layer.products()]
+        probes = [w for w in mlps + others if not isinstance(w, Packed)][:1]
+        return probes + ([] if isinstance(self.head_weight, Packed) else [self.head_weight])
 
     def choose_layer_path(self) -> str:
         """Layers that can (DecoderLayer.native_ok) take the native float32 path between their products,
@@ -318,15 +321,19 @@ class LlamaForCausalLM(nn.Module):
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.head_weight
-        if isinstance(self._probe_weight(), PackedWeight):
-            return self._choose_packed_crossover(head, int8_act)
-        if head.device.type != "cpu":
-            return "small-batch GEMMs: F.linear (not on CPU)"
+        packed = any(isinstance(m.weight, Packed) for layer in self.layers for m in layer.products()) or \
+            isinstance(head, Packed)
+        lines = [self._choose_packed_crossover(head, int8_act)] if packed else []
+        probes = self._dense_probes()
+        if not probes:
+            return "; ".join(lines)
+        if probes[0].device.type != "cpu":
+            return "; ".join(lines + ["small-batch GEMMs: F.linear (not on CPU)"])
         if forced:
             use, why = forced == "transposed", "PAGEDSERVE_SMALL_M_GEMM"
         else:
             t = {False: 0.0, True: 0.0}
-            for w in (self._probe_weight(), head):
+            for w in probes:
                 for m in (8, 64):
                     x = torch.randn(m, w.shape[1], dtype=w.dtype)
                     for form in (False, True):
@@ -340,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         self.transposed = use
         for layer in self.layers:
             layer.transposed = use
-        return f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"
+        return "; ".join(lines + [f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"])
 
     def warm_gemms(self, max_rows: int, head_rows: int) -> str:
         """Build the GEMM library's kernels for every row bucket a step can reach (pagedserve.model.gemm.warm):
@@ -356,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         products = []
 
         def add(w, b, transposed: bool, last: int) -> None:
-            if isinstance(w, PackedWeight):      # packed up to small_m rows (no GEMM); above: its many-row path
+            if isinstance(w, Packed):            # packed up to small_m rows (no GEMM); above: its many-row path
                 key = ("packed", w.fmt, w.shape, None if w.dense is None else w.dense.dtype, b is None)
                 products.append((key, lambda x: w.matmul(x, b), w.K, dtype, w.small_m, last))
             else:
@@ -372,9 +379,9 @@ class LlamaForCausalLM(nn.Module):
         """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
         measured per shape: the layers' products timed in turn as a step reads them (measure_crossover),
         the LM head on its own."""
-        layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, PackedWeight)]
+        layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, Packed)]
         lines = []
-        for name, ws in (("layers", layer_ws), ("LM head", [head] if isinstance(head, PackedWeight) else [])):
+        for name, ws in (("layers", layer_ws), ("LM head", [head] if isinstance(head, Packed) else [])):
             if not ws:
                 continue
             for w in ws:
@@ -393,7 +400,7 @@ class FusedDecode:
     DecoderLayer._forward_native on each layer (in float32: the same numbers), without the ~15 Python
     calls, allocations and ctypes crossings a layer costs (~0.1 ms a layer on a 2-core host: most of a
     one-row step outside the weight reads; ~10 ms of a 100-token bf16 prefill's torch glue). Taken by
-    steps up to the rows the packed products are used for (PackedWeight.small_m): decode rows (with LoRA
+    steps up to the rows the packed products are used for (Packed.small_m): decode rows (with LoRA
     rows in a float32 model too: their deltas added in C after each product, close to LoRABatch.add, not
     bit for bit) and prefill chunks where the layers' prefill attention is the native kernel too (the
     chunks' rows after the decode rows, as AttentionMetadata orders them); the layer path runs otherwise.
@@ -416,7 +423,7 @@ class FusedDecode:
         if any(layer.residual_scale != 1.0 for layer in layers):
             return "residual multipliers"
         weights = [getattr(layer, f"{p}_proj").weight for layer in layers for p in FusedDecode.PRODUCTS]
-        if not all(isinstance(w, PackedWeight) for w in weights):
+        if not all(isinstance(w, Packed) for w in weights):
             return "dense weights: the products are the GEMM library's"
         if len({w.int8_act for w in weights}) != 1:
             return "the packed products differ in kind"
@@ -446,9 +453,8 @@ class FusedDecode:
             ls.attn_norm, ls.mlp_norm = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
             for product in self.PRODUCTS:
                 mod = getattr(layer, f"{product}_proj")
-                w: PackedWeight = mod.weight
                 p = getattr(ls, product)
-                p.w, p.row_bytes, p.fmt, p.N = w.data.data_ptr(), w.data.shape[1], QFORMATS[w.fmt][0], w.data.shape[0]
+                self._bind_parts(p, mod.weight.parts if isinstance(mod.weight, PackedParts) else [mod.weight])
                 if mod.bias is not None:
                     self.keep.append(mod.bias.data.float())
                     p.bias = self.keep[-1].data_ptr()
@@ -468,6 +474,16 @@ class FusedDecode:
         self._lock = threading.Lock()
         self._lora_structs = (kernels.LoRAProduct * (4 * len(layers)))()
         self._lora_bound: tuple[weakref.ref, int] | None = None      # (the runner's LoRASlots, its products)
+
+    def _bind_parts(self, p: kernels.PackedProduct, parts: list) -> None:
+        """A product's packed_t: its first part, the others chained through `next` (PackedParts: each part's
+        kernel writes its own columns)."""
+        for i, w in enumerate(parts):
+            p.w, p.row_bytes, p.fmt, p.N = w.data.data_ptr(), w.data.shape[1], QFORMATS[w.fmt][0], w.data.shape[0]
+            if i + 1 < len(parts):
+                nxt = kernels.PackedProduct()
+                self.keep.append(nxt)
+                p.next, p = ctypes.addressof(nxt), nxt
 
     def profile(self, on: bool = True) -> None:
         """Accumulate the seconds the fused steps spend in the products, the attention and the glue into

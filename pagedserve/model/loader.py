@@ -25,14 +25,14 @@ from pagedserve.model import hub
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.quant import (FORMATS, QUANTIZATIONS, PackedEmbedding, PackedLinear, PackedWeight,
-                                    add_dense_copies, cat_rows, describe, quantize_int8)
+from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
+                                    PackedWeight, add_dense_copies, as_q8_0, describe, quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "smollm3", "phi3")
 # archs whose q/k rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel and its subclasses)
 _PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
@@ -191,14 +191,15 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
         sd = shard_state_dict(cfg, sd, tp.rank, tp.size)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
+    _check_shapes(src, cfg, sd, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     for key, w in sd.items():
-        if isinstance(w, PackedWeight):     # the module holding it becomes a packed one
+        if isinstance(w, Packed):           # the module holding it becomes a packed one
             parent, _, child = key.removesuffix(".weight").rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             packed = (PackedEmbedding(w, dtype) if child == "embed_tokens"
                       else PackedLinear(w, bias=f"{key.removesuffix('.weight')}.bias" in sd))
             setattr(owner, child, packed)
-    model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, PackedWeight)}, assign=True, strict=True)
+    model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, Packed)}, assign=True, strict=True)
     model = model.to(device).eval()
     if dense_copy:
         log.info("%s", add_dense_copies(model, dtype))
@@ -207,6 +208,17 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     log.info("%s", model.choose_layer_path())
     log.info("%s", model.choose_decode_path())
     return model, cfg
+
+
+def _check_shapes(src: ModelSource, cfg: ModelConfig, sd: dict, expected: dict[str, tuple]) -> None:
+    """Every tensor the shape the file's metadata implies (a torch error at assignment would name neither)."""
+    for key, w in sd.items():
+        want = expected.get(key)
+        if want is not None and tuple(w.shape) != want:
+            raise ModelLoadError(
+                f"{src.path}: tensor {key} has shape {tuple(w.shape)}, but the metadata ({cfg.num_layers} layers, "
+                f"hidden {cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
+                f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}) gives {want}")
 
 
 _MATRICES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "embed_tokens.weight",
@@ -221,14 +233,15 @@ def _is_matrix(key: str) -> bool:
     return key.endswith(_MATRICES)
 
 
-def _cat(parts: list) -> torch.Tensor | PackedWeight:
-    """Fuse projections: dense tensors concatenate; packed weights of one format stack their rows;
-    a mix (e.g. a Q4_K file with Q6_K v rows) is dequantized to float32 and stays dense."""
+def _cat(parts: list, name: str = "") -> torch.Tensor | Packed:
+    """Fuse projections: dense tensors concatenate; packed weights stack their rows (each run of one
+    format packed as it is: stack_rows); a part without a packed kernel (dense) makes the whole dense."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
-        return cat_rows(parts)
-    log.warning("fused projection mixes %s: kept dense", [getattr(p, "fmt", str(p.dtype)) for p in parts])
+    if all(isinstance(p, PackedWeight) for p in parts):
+        return stack_rows(parts)
+    log.info("%s: a part has no packed kernel (%s): the fused product is kept dense", name,
+             ", ".join(p.fmt if isinstance(p, PackedWeight) else "dense" for p in parts))
     return torch.cat([p.dequantize() if isinstance(p, PackedWeight) else p.float() for p in parts])
 
 
@@ -254,7 +267,7 @@ def _fuse(cfg: ModelConfig, weights: dict) -> dict:
             sd[o + "qkv_proj.weight"] = take(a + "qkv_proj.weight")
         else:
             sd[o + "qkv_proj.weight"] = _cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                                             take(a + "v_proj.weight")])
+                                             take(a + "v_proj.weight")], o + "qkv_proj")
         if cfg.attention_bias:
             sd[o + "qkv_proj.bias"] = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
                                                 take(a + "v_proj.bias")])
@@ -269,7 +282,8 @@ def _fuse(cfg: ModelConfig, weights: dict) -> dict:
             sd[o + "gate_up_proj.weight"] = take(p + "mlp.gate_up_proj.weight")
             sd[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight")
         else:
-            sd[o + "gate_up_proj.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            sd[o + "gate_up_proj.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")],
+                                                 o + "gate_up_proj")
             sd[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight")
     w.pop("lm_head.weight", None)   # tied models may store a copy of the embedding
     if w:
@@ -298,7 +312,7 @@ def _experts(cfg: ModelConfig, w: dict, i: int) -> dict:
 
 
 def _dense(t) -> torch.Tensor:
-    return t.dequantize() if isinstance(t, PackedWeight) else t
+    return t.dequantize() if isinstance(t, Packed) else t
 
 
 # ---------------------------------------------------------------- HF folders (safetensors)
@@ -370,13 +384,13 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
         cfg = _gguf_config(reader, arch)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"GGUF file {path} lacks the metadata of a {arch} model: {e!r}") from e
-    keep = {t.name for t in reader.tensors        # (GGUF's own I8 type is unscaled: not our I8 rows)
-            if packed and t.tensor_type.name in FORMATS and t.tensor_type.name != "I8" and len(t.shape) == 2 and (_gguf_to_hf_name(t.name, arch) or "").endswith(_HF_MATRICES)}
+    keep = {t.name for t in reader.tensors if packed and _packable(t, arch)}
     dense = [t for t in reader.tensors if t.name not in keep]
+    if packed:
+        _log_dense_matrices([t for t in dense if _is_projection(t, arch)])
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         arrays = dict(zip([t.name for t in dense], pool.map(_dequantize, dense)))
-    arrays.update({t.name: PackedWeight(t.tensor_type.name, torch.from_numpy(np.array(t.data)), int(t.shape[0]))
-                   for t in reader.tensors if t.name in keep})
+    arrays.update({t.name: _packed(t) for t in reader.tensors if t.name in keep})
     weights = {}
     for name, arr in arrays.items():
         hf_name = _gguf_to_hf_name(name, arch)
@@ -404,6 +418,36 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
     if missing:
         raise ModelLoadError(f"GGUF file {path} lacks tensors {missing}")
     return cfg, weights
+
+
+def _is_projection(t, arch: str) -> bool:
+    return len(t.shape) == 2 and (_gguf_to_hf_name(t.name, arch) or "").endswith(_HF_MATRICES)
+
+
+def _packable(t, arch: str) -> bool:
+    """A matrix the qmatmul kernels read: its type is a kernel's (FORMATS; GGUF's own I8 is unscaled, not
+    our I8 rows) or is rewritten to one without loss (AS_Q8_0)."""
+    name = t.tensor_type.name
+    return (name in FORMATS and name != "I8" or name in AS_Q8_0) and _is_projection(t, arch)
+
+
+def _packed(t) -> PackedWeight:
+    name, K = t.tensor_type.name, int(t.shape[0])
+    data = torch.from_numpy(np.array(t.data))
+    if name in AS_Q8_0:
+        return PackedWeight("Q8_0", as_q8_0(name, data, K), K)
+    return PackedWeight(name, data, K)
+
+
+def _log_dense_matrices(ts: list) -> None:
+    """One line for the matrices kept dense under --quantization auto|gguf: types without a packed kernel
+    (F16, BF16, F32, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_XS), each with its tensors."""
+    by_type: dict[str, list[str]] = {}
+    for t in ts:
+        by_type.setdefault(t.tensor_type.name, []).append(t.name)
+    if by_type:
+        log.info("dense (no packed kernel for the type): %s", "; ".join(
+            f"{k} x {len(v)} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})" for k, v in sorted(by_type.items())))
 
 
 def _gguf_config(reader, arch: str) -> ModelConfig:

@@ -52,8 +52,36 @@ SMALL_M_MAX = 256         # the crossover is searched up to here (a prefill chun
                           # path (AVX512-VNNI without AMX: a 128-token prefill 1.19x faster packed, 256 even)
 
 
+class Packed:
+    """What a packed product is to the model (PackedLinear, FusedDecode, the crossover): one matrix's
+    rows as the qmatmul kernels read them, up to small_m rows of x in-register, dense above."""
+
+    __slots__ = ()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or
+        dequantized tiles above."""
+        if x.shape[0] > self.small_m:
+            return self._many_rows(x, bias)
+        y = self._qmatmul(x, self.int8_act)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense is not None:
+            return gemm(x if x.dtype == self.dense.dtype else x.to(self.dense.dtype), self.dense, bias)
+        return self._dense_matmul(x, bias)
+
+    def _qmatmul(self, x: torch.Tensor, int8_act: bool = False) -> torch.Tensor:
+        """The in-register kernels: x in float32, or rounded to int8 blocks of 32 (`int8_act`)."""
+        x32 = x.float().contiguous()
+        out = torch.empty(x32.shape[0], self.shape[0], dtype=torch.float32)
+        self._qmatmul_into(x32, int8_act, out, 0)
+        return out
+
+
 @dataclass(eq=False, slots=True)
-class PackedWeight:
+class PackedWeight(Packed):
     fmt: str                    # a key of FORMATS
     data: torch.Tensor          # (N, row_bytes) uint8
     K: int                      # inputs per row
@@ -131,20 +159,6 @@ class PackedWeight:
         self.data = torch.cat([scales, q], -1).reshape(N, nb * bb).contiguous()
         self.fmt = fmt
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or
-        dequantized tiles above."""
-        if x.shape[0] > self.small_m:
-            return self._many_rows(x, bias)
-        y = self._qmatmul(x, self.int8_act)
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y if bias is None else y + bias
-
-    def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.dense is not None:
-            return gemm(x if x.dtype == self.dense.dtype else x.to(self.dense.dtype), self.dense, bias)
-        return self._dense_matmul(x, bias)
-
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize TILE_WEIGHTS at a time (a few MB that stay in cache) and multiply each tile, at
         x's bucketed row count (pagedserve.model.gemm)."""
@@ -166,17 +180,18 @@ class PackedWeight:
         out = out if x.shape[0] == m else out[:m]
         return out if bias is None else out + bias
 
-    def _qmatmul(self, x: torch.Tensor, int8_act: bool = False) -> torch.Tensor:
-        """The in-register kernels: x in float32, or rounded to int8 blocks of 32 (`int8_act`)."""
+    @property
+    def packed_bytes(self) -> int:
+        return self.data.numel()
+
+    def _qmatmul_into(self, x32: torch.Tensor, int8_act: bool, out: torch.Tensor, col: int) -> None:
+        """out[:, col:col + N] = x32 (float32, contiguous) @ W.T: out's rows are its full width apart."""
         if self.grouped and not int8_act:
             raise ValueError(f"{self.fmt} weights are multiplied with int8 activations only")
-        x32 = x.float().contiguous()
-        M, N = x32.shape[0], self.data.shape[0]
-        out = torch.empty(M, N, dtype=torch.float32)
-        lib = _lib()
-        (lib.qmatmul_q8 if int8_act else lib.qmatmul)(x32.data_ptr(), M, self.K, self.K, self.data.data_ptr(),
-                                                      FORMATS[self.fmt][0], N, self.data.shape[1], out.data_ptr(), N)
-        return out
+        lib, N = _lib(), self.data.shape[0]
+        (lib.qmatmul_q8 if int8_act else lib.qmatmul)(x32.data_ptr(), x32.shape[0], self.K, self.K,
+                                                      self.data.data_ptr(), FORMATS[self.fmt][0], N,
+                                                      self.data.shape[1], out[:, col:].data_ptr(), out.shape[1])
 
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
         if self.grouped:
@@ -211,6 +226,118 @@ def _interleave_q6k(data: torch.Tensor, K: int) -> torch.Tensor:
     ql = g[..., :128].reshape(N // 8, ns, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 1024)
     qh = g[..., 128:192].reshape(N // 8, ns, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(N // 8, ns, 512)
     return torch.cat([d, sc, ql, qh], -1).reshape(N, ns * 210).contiguous()
+
+
+class PackedParts(Packed):
+    """Rows of differently packed weights stacked: a fused projection whose parts the file gives
+    different types (q|k|v where a Q4_K_M file has v in Q6_K, or gate|up of mixed recipes). Each part
+    is multiplied by its own kernel into its own columns of one output, so every part stays packed; the
+    many-row path has one dense copy of the whole matrix (or dequantizes part by part)."""
+
+    __slots__ = ("parts", "dense")
+
+    def __init__(self, parts: Sequence[PackedWeight]):
+        if len(parts) < 2 or len({p.K for p in parts}) != 1 or not all(isinstance(p, PackedWeight) for p in parts):
+            raise ValueError("PackedParts stacks two or more PackedWeights of one K, got "
+                             + ", ".join(f"{type(p).__name__} {getattr(p, 'shape', '')}" for p in parts))
+        self.parts, self.dense = list(parts), None
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def K(self) -> int:
+        return self.parts[0].K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.data.shape[0] for p in self.parts), self.K
+
+    @property
+    def grouped(self) -> bool:
+        return all(p.grouped for p in self.parts)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(p.packed_bytes for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed_bytes + (0 if self.dense is None else self.dense.numel() * self.dense.element_size())
+
+    @property
+    def small_m(self) -> int:
+        return self.parts[0].small_m
+
+    @small_m.setter
+    def small_m(self, m: int) -> None:
+        for p in self.parts:
+            p.small_m = m
+
+    @property
+    def int8_act(self) -> bool:
+        return self.parts[0].int8_act
+
+    @int8_act.setter
+    def int8_act(self, on: bool) -> None:
+        for p in self.parts:
+            p.int8_act = on
+
+    def interleave(self) -> None:
+        for p in self.parts:
+            p.interleave()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.cat([p._dense_matmul(x, None) for p in self.parts], -1)
+        return out if bias is None else out + bias
+
+    def _qmatmul_into(self, x32: torch.Tensor, int8_act: bool, out: torch.Tensor, col: int) -> None:
+        for p in self.parts:
+            p._qmatmul_into(x32, int8_act, out, col)
+            col += p.data.shape[0]
+
+
+def stack_rows(parts: list[PackedWeight]) -> Packed:
+    """Fused projections (q|k|v, gate|up): one PackedWeight where the parts share a format, else the
+    runs of one format each stacked (PackedParts)."""
+    runs: list[list[PackedWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    stacked = [cat_rows(r) if len(r) > 1 else r[0] for r in runs]
+    return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
+
+
+# GGUF types the kernels read after a lossless rewrite at load: each 32-block's values are d (f16) times
+# small integers, so they are Q8_0 blocks exactly (the same d, the integers as int8). 8.5 bits a weight
+# read instead of 5.5 (Q5_0) / 4.5 (IQ4_NL): a kernel of their own would read less.
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)     # ggml's kvalues_iq4nl
+AS_Q8_0 = ("Q5_0", "IQ4_NL")
+
+
+def as_q8_0(fmt: str, data: torch.Tensor, K: int) -> torch.Tensor:
+    """(N, row bytes) of Q5_0 (f16 d, u32 high bits, 16 bytes of nibbles: w = d (q - 16)) or IQ4_NL (f16 d,
+    16 bytes of nibble indices: w = d table[q]) blocks -> the same values as Q8_0 blocks (f16 d, 32 x int8).
+    Nibble j holds element j (low half) and element j + 16 (high half), as ggml lays them."""
+    N, nb = data.shape[0], K // 32
+    bb = {"Q5_0": 22, "IQ4_NL": 18}[fmt]
+    b = data.reshape(N, nb, bb)
+    d, qs = b[..., :2], b[..., bb - 16:].to(torch.int16)
+    q = torch.cat([qs & 15, qs >> 4], -1)                                       # (N, nb, 32): elements 0..31
+    if fmt == "Q5_0":
+        qh = b[..., 2:6].to(torch.int64)
+        bits = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+        high = (bits[..., None] >> torch.arange(32)) & 1
+        q = (q | (high << 4).to(torch.int16)) - 16
+    else:
+        q = torch.tensor(IQ4NL_VALUES, dtype=torch.int16)[q.long()]
+    return torch.cat([d, q.to(torch.int8).view(torch.uint8)], -1).reshape(N, nb * 34).contiguous()
 
 
 def choose_quantization(asked: str, source_kind: str, dtype_asked: str, device: str,
@@ -304,7 +431,7 @@ PACKED_MARGIN = 1.25      # ... and keeps the packed kernel at a row count unles
 
 
 @torch.inference_mode()
-def measure_crossover(ws: PackedWeight | Sequence[PackedWeight], dtype: torch.dtype) -> tuple[int, str]:
+def measure_crossover(ws: Packed | Sequence[Packed], dtype: torch.dtype) -> tuple[int, str]:
     """The largest batch (rows of x) for which qmatmul on `ws` is faster than the many-row path (the
     dense copy's GEMM, or dequantize + F.linear) in `dtype`, on this host, measured at 1, 2, 4, ...
     SMALL_M_MAX rows. Returns it and a line to log. With a dense copy it may be 0 (dense at every
@@ -319,14 +446,14 @@ def measure_crossover(ws: PackedWeight | Sequence[PackedWeight], dtype: torch.dt
     the crossover between processes (stop 41 saw it flip between 2 and 8 rows), and the packed kernels
     compute each row alone, so a speculative step's verification rows get the numbers a one-row decode
     step would (greedy outputs identical with and without drafts in bfloat16 too)."""
-    ws = [ws] if isinstance(ws, PackedWeight) else list(ws)
+    ws = [ws] if isinstance(ws, Packed) else list(ws)
     kinds = {(w.dense is not None, w.int8_act) for w in ws}
     if not ws or len(kinds) != 1:
         raise ValueError(f"measure_crossover needs weights of one kind, got {len(ws)} of kinds {sorted(kinds)}")
     timed, nbytes = [], 0
     for w in ws:
         timed.append(w)
-        nbytes += w.data.numel()
+        nbytes += w.packed_bytes
         if nbytes >= COLD_BYTES:
             break
     times = {}
@@ -362,7 +489,7 @@ def measure_crossover(ws: PackedWeight | Sequence[PackedWeight], dtype: torch.dt
 class PackedLinear(nn.Module):
     """A linear layer whose weight stays packed; `linear()` in llama.py dispatches on the weight."""
 
-    def __init__(self, weight: PackedWeight, bias: bool = False):
+    def __init__(self, weight: Packed, bias: bool = False):
         super().__init__()
         self.weight = weight
         self.bias = nn.Parameter(torch.empty(weight.shape[0], device="meta")) if bias else None
@@ -388,9 +515,9 @@ def weight_bytes(model: nn.Module) -> int:
     return dense + sum(w.nbytes for w in packed_weights(model))
 
 
-def packed_weights(model: nn.Module) -> list[PackedWeight]:
+def packed_weights(model: nn.Module) -> list[Packed]:
     """Every PackedWeight of the model, each once (a tied LM head is the embedding's)."""
-    seen: dict[int, PackedWeight] = {}
+    seen: dict[int, Packed] = {}
     for m in model.modules():
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             seen.setdefault(id(m.weight), m.weight)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -39,6 +40,16 @@ class RunnerOutput:
     propose_s: float = 0.0           # a draft model's proposing passes (in prepare_s too)
     prepare_s: float = 0.0
     sample_s: float = 0.0
+
+
+def _untouched_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages are not touched until used: calloc (numpy's zeros) maps fresh zero
+    pages for a large buffer, where torch.zeros writes every byte, so a 4 GiB pool counted 4 GiB of RSS at
+    start-up whatever the requests used. Aligned to 64 bytes, as torch's own buffers are."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    off = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[off:off + nbytes]).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -117,9 +128,10 @@ class ModelRunner:
         cfg = self.model.cfg
         shape = (self.layout.planes, 2, num_blocks, self.block_size, self.num_kv_heads)
         pin = device.type == "cpu" and self.device.type == "cuda"     # the swap tier of a GPU pool: pinned
-        data = torch.zeros(shape + (cfg.head_dim,), dtype=self.kv_dtype, device=device, pin_memory=pin)
-        scales = torch.zeros(shape, dtype=torch.float32, device=device, pin_memory=pin) \
-            if kv_scale_bytes(self.kv_dtype) else None
+        zeros = _untouched_zeros if device.type == "cpu" and not pin else \
+            (lambda shp, dt: torch.zeros(shp, dtype=dt, device=device, pin_memory=pin))
+        data = zeros(shape + (cfg.head_dim,), self.kv_dtype)
+        scales = zeros(shape, torch.float32) if kv_scale_bytes(self.kv_dtype) else None
         return data, scales
 
     @property

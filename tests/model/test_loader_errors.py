@@ -25,21 +25,21 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_unsupported_quantization(tmp_path):
     import gguf
-    f = tmp_path / "iq.gguf"
+    f = tmp_path / "iq.gguf"          # (IQ2_XXS: a type no recipe of the common ones writes, not read here)
     w = gguf.GGUFWriter(str(f), "llama")
     w.add_block_count(1)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
     w.add_head_count(4)
     w.add_context_length(128)
-    qt = gguf.GGMLQuantizationType.IQ4_NL
+    qt = gguf.GGMLQuantizationType.IQ2_XXS
     block, nbytes = gguf.GGML_QUANT_SIZES[qt]
-    w.add_tensor("token_embd.weight", np.zeros((8, 32 // block * nbytes), dtype=np.uint8), raw_dtype=qt)
+    w.add_tensor("token_embd.weight", np.zeros((8, 256 // block * nbytes), dtype=np.uint8), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="unsupported GGUF quantization type IQ4_NL"):
+    with pytest.raises(ModelLoadError, match="unsupported GGUF quantization type IQ2_XXS for tensor token_embd"):
         load_model(resolve_model(str(f)))
 
 

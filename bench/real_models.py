@@ -1,0 +1,114 @@
+"""Real GGUF files with default flags, next to llama.cpp's llama-server on the same file, in one run.
+
+For each file: one stream (short8, requests one after another: decode speed as one user sees it) and
+mixed64 (all at once: throughput), pagedserve offline with default flags in a process of its own (its
+peak RSS its own), then llama-server (`../shared/bench/llama_server_client.py`, 2 threads,
+`--cache-ram 0`, 1 slot for short8, 16 for mixed64) on the same requests; token counts are checked on
+both sides. Prints a table of ratios and writes the rows as JSON lines.
+
+Usage: python bench/real_models.py build/models/qwen2.5-coder-0.5b-q4_k_m.gguf [...more files]
+           [--llama-server build/llama/bin/llama-server] [--workloads short8,mixed64] [--out FILE.jsonl]
+           [--num-kv-blocks N]   (ours at a given pool; default: the engine's own sizing)
+(the files: ../shared/bench/real_models.sh build/models; llama-server: ../shared/bench/build_llama_server.sh)
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
+
+
+def run_ours(model: str, workload: str, num_kv_blocks: int | None) -> dict:
+    """One workload through LLM(model) with default flags (a warm-up request first)."""
+    from pagedserve import LLM, SamplingParams
+    import workload as wl
+    reqs = wl.make(workload)
+    t0 = time.perf_counter()
+    llm = LLM(model, **({} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}))
+    load_s = time.perf_counter() - t0
+    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    eng = llm.engine
+    llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    sp = lambda r: SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)   # noqa: E731
+    t = time.perf_counter()
+    got = {}
+    if workload == "short8":              # one stream: each request alone
+        for r in reqs:
+            out = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]}], sp(r), use_tqdm=False)
+            got[r["id"]] = len(out[0].outputs[0].token_ids)
+    else:
+        for r in reqs:
+            eng.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp(r))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                got[o.request_id] = len(o.outputs[0].token_ids)
+    wall = time.perf_counter() - t
+    out_tokens = sum(r["max_tokens"] for r in reqs)
+    return {"engine": "pagedserve (default flags)", "model": os.path.basename(model), "workload": workload,
+            "weights": eng.model.weights_desc, "kv_blocks": eng.kv.pool.num_usable_blocks,
+            "token_counts_ok": all(got.get(r["id"]) == r["max_tokens"] for r in reqs),
+            "load_s": round(load_s, 2), "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 2),
+            "rss_after_load_mb": round(rss_load), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def child(args: list[str], env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"{args[:3]} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+
+
+def run_llama(server: str, model: str, workload: str) -> dict:
+    import workload as wl
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{workload}.jsonl")
+        with open(path, "w") as f:
+            for r in wl.make(workload):
+                f.write(json.dumps(r) + "\n")
+        seq = workload == "short8"
+        args = [os.path.join(SHARED, "llama_server_client.py"), model, path, "--np", "1" if seq else "16",
+                "--ctx", "4096" if seq else "20480", "--extra=--cache-ram 0", "--log", os.path.join(d, "llama.log")]
+        res = child(args + (["--sequential"] if seq else []), dict(os.environ, LLAMA_SERVER=server))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--llama-server", default=os.path.join(os.path.dirname(HERE), "build/llama/bin/llama-server"))
+    ap.add_argument("--workloads", default="short8,mixed64")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "real_models.jsonl"))
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.side:                                   # a child: one model, one workload, ours
+        print("RESULT " + json.dumps(run_ours(a.models[0], a.side, a.num_kv_blocks)), flush=True)
+        return
+    rows = []
+    for model in a.models:
+        for w in a.workloads.split(","):
+            extra = [] if a.num_kv_blocks is None else ["--num-kv-blocks", str(a.num_kv_blocks)]
+            ours = child([os.path.abspath(__file__), model, "--side", w, *extra])
+            llama = run_llama(a.llama_server, model, w) if os.path.exists(a.llama_server) else None
+            rows += [ours] + ([llama] if llama else [])
+            ratio = f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x" if llama else "-"
+            print(f"{os.path.basename(model):34} {w:8} ours {ours['output_tok_s']:8.2f} tok/s "
+                  f"(peak RSS {ours['peak_rss_mb']} MB, ok {ours['token_counts_ok']}) | llama-server "
+                  f"{llama['output_tok_s'] if llama else '-':>8} tok/s (peak RSS {llama['peak_rss_mb'] if llama else '-'} MB, "
+                  f"ok {llama['token_counts_ok'] if llama else '-'}) | {ratio}", flush=True)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
