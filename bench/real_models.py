@@ -104,6 +104,11 @@ def main() -> None:
                   f"(peak RSS {ours['peak_rss_mb']} MB, ok {ours['token_counts_ok']}) | llama-server "
                   f"{llama['output_tok_s'] if llama else '-':>8} tok/s (peak RSS {llama['peak_rss_mb'] if llama else '-'} MB, "
                   f"ok {llama['token_counts_ok'] if llama else '-'}) | {ratio}", flush=True)
+    print("\n| model | workload | pagedserve tok/s | llama-server tok/s | ratio | peak RSS ours / llama (MB) |")
+    print("|---|---|---|---|---|---|")
+    for ours, llama in zip(rows[::2], rows[1::2]):
+        print(f"| {ours['model']} | {ours['workload']} | {ours['output_tok_s']} | {llama['output_tok_s']} | "
+              f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x | {ours['peak_rss_mb']} / {llama['peak_rss_mb']} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         for r in rows:

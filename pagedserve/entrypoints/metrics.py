@@ -116,33 +116,40 @@ class ServerMetrics:
         if classes is not None:
             self._class_gauges(engine.scheduler)
         for out in outputs:
-            n = sum(len(o.token_ids) for o in out.outputs)
-            prev = self._tok_seen.get(out.request_id)
+            # a stream's outputs are deltas (every step), any other request's one output at its end: so
+            # each choice's tokens are counted as they arrive, and a gap is timed whenever a choice grows
+            seen = self._tok_seen.get(out.request_id)
             m = out.metrics
             klass = classes[m.traffic_class] if classes is not None and m is not None else None
-            if prev is None and n:
+            if not any(c for c, _ in seen or ()) and any(o.token_ids for o in out.outputs) and m is not None \
+                    and m.first_token_time is not None:
                 samples.ttft.append(m.first_token_time - m.arrival_time)
                 self.ttft.observe(samples.ttft[-1])
                 if klass is not None:
                     self.class_ttft.labels(traffic_class=klass.name).observe(samples.ttft[-1])
                 if m.first_scheduled_time is not None:
                     self.queue.observe(m.first_scheduled_time - m.arrival_time)
-            elif prev is not None and n > prev[0]:
-                samples.itl.append(now - prev[1])
-                self.itl.observe(samples.itl[-1])
-                if klass is not None:
-                    self.class_itl.labels(traffic_class=klass.name).observe(samples.itl[-1])
-                    self._worst_itl[out.request_id] = max(self._worst_itl.get(out.request_id, 0.0), samples.itl[-1])
-            if n:
-                self._tok_seen[out.request_id] = (n, now)
+            counts = list(seen) if seen is not None else [(0, None)] * len(out.outputs)
+            counts += [(0, None)] * (len(out.outputs) - len(counts))
+            for o in out.outputs:
+                n, last = counts[o.index]
+                if not o.token_ids:
+                    continue
+                if last is not None:
+                    samples.itl.append(now - last)
+                    self.itl.observe(samples.itl[-1])
+                    if klass is not None:
+                        self.class_itl.labels(traffic_class=klass.name).observe(samples.itl[-1])
+                        self._worst_itl[out.request_id] = max(self._worst_itl.get(out.request_id, 0.0),
+                                                              samples.itl[-1])
+                counts[o.index] = (n + len(o.token_ids), now)
+            self._tok_seen[out.request_id] = counts
             if out.finished:
                 self._tok_seen.pop(out.request_id, None)
                 worst = self._worst_itl.pop(out.request_id, 0.0)
                 if klass is not None:
                     self._class_finish(klass, m, worst)
-                tpot = self.finish(out)
-                if tpot is not None:
-                    samples.tpot.append(tpot)
+                samples.tpot += self.finish(out, [c for c, _ in counts])
         return samples
 
     def _class_gauges(self, sch) -> None:
@@ -163,20 +170,22 @@ class ServerMetrics:
         their longest gap with classes); metric labels are bounded by the finish reasons and the classes."""
         return {"metrics.tok_seen": len(self._tok_seen), "metrics.worst_itl": len(self._worst_itl)}
 
-    def finish(self, out) -> float | None:
-        """Counts a finished request; its TPOT (mean seconds per output token after the first), if any."""
+    def finish(self, out, num_tokens: list[int] | None = None) -> list[float]:
+        """Counts a finished request; the TPOT (mean seconds per output token after the first) of each of
+        its choices that has one. num_tokens: each choice's tokens (a stream's outputs were deltas); by
+        default the output's own."""
         m = out.metrics
         for o in out.outputs:
             self.success.labels(finished_reason=o.finish_reason or "abort").inc()
         if m is None or m.first_token_time is None:
-            return None
+            return []
         self.e2e.observe((m.finished_time or time.monotonic()) - m.arrival_time)
-        n = len(out.outputs[0].token_ids)
-        if n > 1 and m.last_token_time is not None:
-            tpot = (m.last_token_time - m.first_token_time) / (n - 1)
-            self.tpot.observe(tpot)
-            return tpot
-        return None
+        tpots = []
+        for n in num_tokens if num_tokens is not None else [len(o.token_ids) for o in out.outputs]:
+            if n > 1 and m.last_token_time is not None:
+                tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
+                self.tpot.observe(tpots[-1])
+        return tpots
 
     def refresh(self, engine) -> None:
         """Cheap values read at scrape time (idle engines do not step)."""

@@ -326,6 +326,9 @@ def as_q8_0(fmt: str, data: torch.Tensor, K: int) -> torch.Tensor:
     16 bytes of nibble indices: w = d table[q]) blocks -> the same values as Q8_0 blocks (f16 d, 32 x int8).
     Nibble j holds element j (low half) and element j + 16 (high half), as ggml lays them."""
     N, nb = data.shape[0], K // 32
+    rows = max(1, (1 << 22) // K)          # a slice at a time: the widened temporaries are ~16 bytes a weight
+    if N > rows:
+        return torch.cat([as_q8_0(fmt, data[i:i + rows], K) for i in range(0, N, rows)])
     bb = {"Q5_0": 22, "IQ4_NL": 18}[fmt]
     b = data.reshape(N, nb, bb)
     d, qs = b[..., :2], b[..., bb - 16:].to(torch.int16)

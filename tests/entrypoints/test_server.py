@@ -125,6 +125,28 @@ def test_metrics_follow_requests(server, client):
     assert dbg["running"] == [] and dbg["kv"]["blocks_free"] == 599
 
 
+def test_streams_reach_the_latency_histograms(server, client):
+    """A stream's outputs are deltas: every gap between a choice's tokens is an ITL sample (each of n = 2
+    choices), every finished request a TPOT sample per choice, streamed or not; TTFT once a request."""
+    base, engine, _ = server
+    assert wait_idle(engine)
+    names = ("inter_token_latency_seconds", "time_per_output_token_seconds", "time_to_first_token_seconds")
+    before = [metric(base, f"pagedserve:{n}_count") or 0 for n in names]
+    for _ in range(2):
+        chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, stream=True, temperature=0,
+                                                     extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+    list(client.completions.create(model="m", prompt="Once upon", max_tokens=5, n=2, stream=True, temperature=0.8,
+                                   seed=1, extra_body={"ignore_eos": True}))
+    client.completions.create(model="m", prompt="Once upon", max_tokens=4, extra_body={"ignore_eos": True})
+    assert wait_idle(engine)
+    time.sleep(0.1)
+    itl, tpot, ttft = (metric(base, f"pagedserve:{n}_count") - b for n, b in zip(names, before))
+    assert itl == 2 * 5 + 2 * 4          # the streams' gaps; the last request was not streamed: no gaps seen
+    assert tpot == 2 + 2 + 1 and ttft == 4
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
     base, engine, _ = server
     assert wait_idle(engine)

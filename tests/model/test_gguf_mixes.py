@@ -38,10 +38,11 @@ def test_rewritten_as_q8_0_blocks_without_loss(fmt):
     """Q5_0 and IQ4_NL blocks are d times small integers: as Q8_0 blocks they dequantize to exactly what
     the gguf package dequantizes the file's bytes to."""
     rng = np.random.default_rng(3)
-    raw = random_blocks(fmt, 13, 96, rng)              # odd rows, 3 blocks a row
-    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).astype(np.float32)
-    w = PackedWeight("Q8_0", as_q8_0(fmt, torch.from_numpy(raw), 96), 96)
-    assert torch.equal(w.dequantize(), torch.from_numpy(ref))
+    for n in (13, 45_001):                           # odd rows, 3 blocks a row; past one slice of the rewrite
+        raw = random_blocks(fmt, n, 96, rng)
+        ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).astype(np.float32)
+        w = PackedWeight("Q8_0", as_q8_0(fmt, torch.from_numpy(raw), 96), 96)
+        assert torch.equal(w.dequantize(), torch.from_numpy(ref))
 
 
 def _parts(seed: int = 0) -> list[PackedWeight]:
