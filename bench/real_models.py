@@ -25,13 +25,13 @@ SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
 sys.path.insert(0, HERE)
 
 
-def run_ours(model: str, workload: str, num_kv_blocks: int | None) -> dict:
-    """One workload through LLM(model) with default flags (a warm-up request first)."""
+def run_ours(model: str, workload: str, num_kv_blocks: int | None, flags: dict | None = None) -> dict:
+    """One workload through LLM(model) with default flags (or `flags`: engine arguments; a warm-up request first)."""
     from pagedserve import LLM, SamplingParams
     import workload as wl
     reqs = wl.make(workload)
     t0 = time.perf_counter()
-    llm = LLM(model, **({} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}))
+    llm = LLM(model, **({} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}), **(flags or {}))
     load_s = time.perf_counter() - t0
     rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     eng = llm.engine
@@ -51,7 +51,7 @@ def run_ours(model: str, workload: str, num_kv_blocks: int | None) -> dict:
                 got[o.request_id] = len(o.outputs[0].token_ids)
     wall = time.perf_counter() - t
     out_tokens = sum(r["max_tokens"] for r in reqs)
-    return {"engine": "pagedserve (default flags)", "model": os.path.basename(model), "workload": workload,
+    return {"engine": f"pagedserve {json.dumps(flags) if flags else '(default flags)'}", "model": os.path.basename(model), "workload": workload,
             "weights": eng.model.weights_desc, "kv_blocks": eng.kv.pool.num_usable_blocks,
             "token_counts_ok": all(got.get(r["id"]) == r["max_tokens"] for r in reqs),
             "load_s": round(load_s, 2), "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 2),
@@ -87,17 +87,21 @@ def main() -> None:
     ap.add_argument("--workloads", default="short8,mixed64")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "real_models.jsonl"))
+    ap.add_argument("--flags", default=None, help='engine arguments as JSON for our side, e.g. {"quantization": "gguf"}')
+    ap.add_argument("--no-llama", action="store_true", help="our side only")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side:                                   # a child: one model, one workload, ours
-        print("RESULT " + json.dumps(run_ours(a.models[0], a.side, a.num_kv_blocks)), flush=True)
+        print("RESULT " + json.dumps(run_ours(a.models[0], a.side, a.num_kv_blocks,
+                                              json.loads(a.flags) if a.flags else None)), flush=True)
         return
     rows = []
     for model in a.models:
         for w in a.workloads.split(","):
-            extra = [] if a.num_kv_blocks is None else ["--num-kv-blocks", str(a.num_kv_blocks)]
+            extra = ([] if a.num_kv_blocks is None else ["--num-kv-blocks", str(a.num_kv_blocks)]) + \
+                ([] if a.flags is None else ["--flags", a.flags])
             ours = child([os.path.abspath(__file__), model, "--side", w, *extra])
-            llama = run_llama(a.llama_server, model, w) if os.path.exists(a.llama_server) else None
+            llama = run_llama(a.llama_server, model, w) if os.path.exists(a.llama_server) and not a.no_llama else None
             rows += [ours] + ([llama] if llama else [])
             ratio = f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x" if llama else "-"
             print(f"{os.path.basename(model):34} {w:8} ours {ours['output_tok_s']:8.2f} tok/s "
@@ -106,7 +110,7 @@ def main() -> None:
                   f"ok {llama['token_counts_ok'] if llama else '-'}) | {ratio}", flush=True)
     print("\n| model | workload | pagedserve tok/s | llama-server tok/s | ratio | peak RSS ours / llama (MB) |")
     print("|---|---|---|---|---|---|")
-    for ours, llama in zip(rows[::2], rows[1::2]):
+    for ours, llama in zip(rows[::2], rows[1::2]) if not a.no_llama else ():
         print(f"| {ours['model']} | {ours['workload']} | {ours['output_tok_s']} | {llama['output_tok_s']} | "
               f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x | {ours['peak_rss_mb']} / {llama['peak_rss_mb']} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -4,7 +4,7 @@ layer call (its own clocks: products, attention, glue), the LM head, the rest of
 engine around the forward (scheduling, input preparation, sampling, output processing).
 
 Usage: python bench/step_anatomy.py [--steps 256] [--prompt 40] [--dtype auto] [--quantization auto]
-           [--rows 1]   (rows: that many sequences decoding together)
+           [--rows 1]   (rows: that many sequences decoding together) [--model FILE]
 """
 import argparse
 import json
@@ -21,9 +21,10 @@ def main():
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the bundled model)")
     a = ap.parse_args()
     print(f"host: {describe()}")
-    llm = LLM(num_kv_blocks=512, dtype=a.dtype, quantization=a.quantization)
+    llm = LLM(a.model, num_kv_blocks=512, dtype=a.dtype, quantization=a.quantization)
     eng, model = llm.engine, llm.engine.model
     if model.fused is None:
         raise SystemExit("this path runs decode steps layer by layer: nothing to take apart")

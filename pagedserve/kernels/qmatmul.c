@@ -23,7 +23,9 @@
 #include "vec16.h"
 
 enum { W_I8 = 0, W_Q8_0 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q4_K = 4, W_Q6_K = 5,
-       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9, W_Q4_KX8 = 10, W_Q6_KX8 = 11 };    /* 8-row groups: qmatmul_q8 and qdequant only */
+       W_Q4_0X8 = 6, W_Q4_1X8 = 7, W_Q8_0X8 = 8, W_I8X8 = 9, W_Q4_KX8 = 10, W_Q6_KX8 = 11,    /* 8-row groups: qmatmul_q8 and qdequant only */
+       W_Q5_0X8 = 12,
+       W_Q5_0 = 13 };   /* GGUF's Q5_0 rows: only as Q5_0x8's rows unpacked for qdequant (the loader keeps Q5_0 files as Q8_0) */
 
 DEFINE_SET_THREADS(qmatmul_set_threads)
 
@@ -103,6 +105,15 @@ INLINE void deq32(int fmt, const uint8_t *row, int j, v16 *lo, v16 *hi) {
         int sh = (s & 1) * 4;
         *lo = d * cvt((u8x16(q) >> sh) & 15) - m;
         *hi = d * cvt((u8x16(q + 16) >> sh) & 15) - m;
+    } else if (fmt == W_Q5_0) {     /* 22-byte blocks: f16 d, u32 high bits, 16 bytes of nibbles: w = d (q - 16) */
+        const uint8_t *b = row + 22 * (int64_t)j;
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        const v16i e = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const v16i u = u8x16(b + 6), hl = (v16i){} + (int32_t)(qh & 0xffff), hh = (v16i){} + (int32_t)(qh >> 16);
+        v16 d = splat(f16(b));
+        *lo = d * cvt(((u & 15) | (((hl >> e) & 1) << 4)) - 16);
+        *hi = d * cvt(((u >> 4) | (((hh >> e) & 1) << 4)) - 16);
     } else { /* W_Q6_K */
         const uint8_t *b = row + 210 * (int64_t)(j >> 3);
         int s = j & 7, h = s >> 2, t = s & 3;
@@ -548,10 +559,12 @@ Q8_M(W_Q6_K)
 /* the file format an 8-row layout came from */
 INLINE int x8_base(int fmt) {
     return fmt == W_Q4_0X8 ? W_Q4_0 : fmt == W_Q4_1X8 ? W_Q4_1 : fmt == W_Q8_0X8 ? W_Q8_0
-         : fmt == W_Q4_KX8 ? W_Q4_K : fmt == W_Q6_KX8 ? W_Q6_K : W_I8;
+         : fmt == W_Q4_KX8 ? W_Q4_K : fmt == W_Q6_KX8 ? W_Q6_K : fmt == W_Q5_0X8 ? W_Q5_0 : W_I8;
 }
 INLINE int x8_header(int fmt) { return fmt == W_Q4_1X8 ? 32 : fmt == W_I8X8 ? 0 : 16; }
-INLINE float x8_m_per_d(int fmt) { return fmt == W_Q4_0X8 ? -8.0f : -128.0f; }   /* Q4_1 has its own m */
+INLINE float x8_m_per_d(int fmt) {                                                /* Q4_1 has its own m */
+    return fmt == W_Q4_0X8 ? -8.0f : fmt == W_Q5_0X8 ? -16.0f : -128.0f;
+}
 INLINE int x8_bytes8(int fmt) { return fmt == W_Q8_0X8 || fmt == W_I8X8; }        /* 8-bit: w + 128 */
 /* block j of the group of 8 rows at g (row_bytes each) */
 INLINE const uint8_t *x8_block(int fmt, const uint8_t *g, int j, int64_t row_bytes, int nb) {
@@ -575,6 +588,11 @@ static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int 
         const uint8_t *b = g + (int64_t)j * 8 * ob;
         uint8_t *o = row + (int64_t)j * ob;
         memcpy(o, b + 2 * c, 2);
+        if (fmt == W_Q5_0X8) {              /* d, the u32 of high bits, the nibbles */
+            memcpy(o + 2, b + 144 + 4 * c, 4);
+            for (int h = 0; h < 4; h++) memcpy(o + 6 + 4 * h, b + 16 + 32 * h + 4 * c, 4);
+            continue;
+        }
         if (fmt == W_Q4_1X8) memcpy(o + 2, b + 16 + 2 * c, 2);
         uint8_t *qs = o + (fmt == W_Q4_1X8 ? 4 : 2);
         if (fmt == W_Q8_0X8)
@@ -653,6 +671,20 @@ INLINE void x16_block(const __m512i *v, const int8_t *xq, __m512 dw, __m512 mw, 
     *accm = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), *accm);
 }
 
+/* Q5_0x8's 5th bits added to the nibbles: byte t of lane c of v[p] gets 16 where bit 4p + t of lane c's u32 is
+ * set. Byte b of each lane's u32 (inputs 8b .. 8b+7) copied to its 4 bytes (vpshufb), then each byte tests its
+ * own bit (vptestmb) and the set ones add 16: 2.5 uops a vector */
+INLINE void q5_high16(__m512i *v, __m512i qh) {
+    const __m512i lanes = _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0,
+                                           0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    const __m512i lo = _mm512_set1_epi32(0x08040201), hi = _mm512_set1_epi32((int)0x80402010), x10 = _mm512_set1_epi8(16);
+    for (int b = 0; b < 4; b++) {
+        const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lanes, _mm512_set1_epi8((char)b)));
+        v[2 * b] = _mm512_mask_add_epi8(v[2 * b], _mm512_test_epi8_mask(spread, lo), v[2 * b], x10);
+        v[2 * b + 1] = _mm512_mask_add_epi8(v[2 * b + 1], _mm512_test_epi8_mask(spread, hi), v[2 * b + 1], x10);
+    }
+}
+
 INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
@@ -676,6 +708,9 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                     __m512i c = cat256(b0 + hdr + 32 * h, b1 + hdr + 32 * h);
                     v[h] = _mm512_and_si512(c, low4);
                     v[h + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+                }
+                if (fmt == W_Q5_0X8) {          /* the 5th bits: a u32 a row after the nibbles */
+                    q5_high16(v, cat256(b0 + hdr + 128, b1 + hdr + 128));
                 }
             }
 #pragma GCC unroll 8
@@ -725,6 +760,17 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                     v[h] = _mm256_and_si256(c, low4);
                     v[h + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
                 }
+                if (fmt == W_Q5_0X8) {          /* as x16_rows: the 5th bits to 0x10 */
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + hdr + 128));
+                    const __m256i lanes = _mm256_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0,
+                                                           0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+                    const __m256i bit[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32((int)0x80402010)};
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, _mm256_set1_epi8((char)(p >> 1))));
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit[p & 1]), bit[p & 1]);
+                        v[p] = _mm256_or_si256(v[p], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
+                }
             }
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
@@ -756,6 +802,11 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
                         for (int t = 0; t < 4; t++) {
                             int u = x8_bytes8(fmt) ? b[hdr + 32 * p + 4 * c + t]
                                                     : (b[hdr + 32 * (p & 3) + 4 * c + t] >> (4 * (p >> 2))) & 15;
+                            if (fmt == W_Q5_0X8) {
+                                uint32_t qh;
+                                memcpy(&qh, b + hdr + 128 + 4 * c, 4);
+                                u |= (int)((qh >> (4 * p + t)) & 1) << 4;
+                            }
                             s += u * xq[4 * p + t];
                         }
                     acc[m][c] += (float)s * (d * x.d[m * nb + j]);
@@ -778,6 +829,7 @@ X8_M(W_Q4_0X8)
 X8_M(W_Q4_1X8)
 X8_M(W_Q8_0X8)
 X8_M(W_I8X8)
+X8_M(W_Q5_0X8)
 
 /* ---- Q4_Kx8: Q4_K's super-blocks for 8 rows ------------------------------------------------------------
  * Per super-block of 256 inputs and 8 rows (1,184 bytes: 8 x 148, 32 more than the file's 8 x 144): the
@@ -1093,7 +1145,7 @@ static void grouped_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r,
 typedef void (*q8_fn)(int, q8rows, int, const uint8_t *, int64_t, float *, int, int, int);
 static const q8_fn Q8[] = {q8_W_I8, q8_W_Q8_0, q8_W_Q4_0, q8_W_Q4_1, q8_W_Q4_K, q8_W_Q6_K,
                            q8_W_Q4_0X8, q8_W_Q4_1X8, q8_W_Q8_0X8, q8_W_I8X8,
-                           q8_W_Q4_KX8, q8_W_Q6_KX8};
+                           q8_W_Q4_KX8, q8_W_Q6_KX8, q8_W_Q5_0X8};
 
 /* out (M x N) = round_q8(x) (M x K float32) . W^T; any M, MAXM rows at a time */
 void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt, int N, int64_t row_bytes,

@@ -41,10 +41,11 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0x8": (6, 32, 18), "Q4_1x8": (7, 32, 20), "Q8_0x8": (8, 32, 34), "I8x8": (9, 1, 1),
     "Q4_Kx8": (10, 256, 148),       # 4 bytes more a super-block: the 6-bit scales unpacked to bytes
     "Q6_Kx8": (11, 256, 210),
+    "Q5_0x8": (12, 32, 22),         # Q8_0 rows whose quants fit 5 bits (a Q5_0 file's): nibbles + a high-bit plane
 }
 INTERLEAVED = {"Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8", "I8": "I8x8", "Q4_K": "Q4_Kx8",
                "Q6_K": "Q6_Kx8"}
-GROUPED = frozenset(INTERLEAVED.values())
+GROUPED = frozenset(INTERLEAVED.values()) | {"Q5_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
@@ -142,6 +143,9 @@ class PackedWeight(Packed):
         fmt, N = INTERLEAVED.get(self.fmt), self.data.shape[0]
         if fmt is None or N % 8:
             return
+        if self.fmt == "Q8_0" and _fits_5_bits(self.data, self.K):    # a Q5_0 file's rows (as_q8_0): 5.5 bits
+            self.data, self.fmt = _interleave_q5_0(self.data, self.K), "Q5_0x8"     # a weight read, not 8.5
+            return
         nb, bb = self.K // 32, FORMATS[self.fmt][2]
         if self.fmt in ("Q4_K", "Q6_K"):
             self.data, self.fmt = (_interleave_q4k if self.fmt == "Q4_K" else _interleave_q6k)(self.data, self.K), fmt
@@ -198,6 +202,30 @@ class PackedWeight(Packed):
             raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
                             None if self.dense is None else self.dense[perm])
+
+
+def _fits_5_bits(data: torch.Tensor, K: int) -> bool:
+    """Whether every quant of these Q8_0 rows lies in [-16, 15] (Q5_0's range)."""
+    q = data.view(data.shape[0], K // 32, 34)[..., 2:].view(torch.int8)
+    return bool(((q >= -16) & (q <= 15)).all())
+
+
+def _interleave_q5_0(data: torch.Tensor, K: int) -> torch.Tensor:
+    """Q8_0 rows whose quants fit 5 bits as Q5_0x8 (qmatmul.c): per 8 rows and 32-block, d x 8, the Q5_0
+    nibbles in Q4_0x8's chunks (lane c: row c's bytes 4h .. 4h+3; low nibble input i, high nibble 16 + i),
+    then each row's 32 fifth bits as a u32 (bit i: input i), of q + 16 in 0..31. 22 bytes a block, as the file's."""
+    N, nb = data.shape[0], K // 32
+    rows = max(8, (1 << 21) // K // 8 * 8)
+    if N > rows:
+        return torch.cat([_interleave_q5_0(data[i:i + rows], K) for i in range(0, N, rows)])
+    b, G = data.view(N, nb, 34), N // 8
+    u = b[..., 2:].view(torch.int8).to(torch.int64) + 16                        # (N, nb, 32) in 0..31
+    qs = ((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).to(torch.uint8)       # (N, nb, 16)
+    qh = (((u >> 4) & 1) << torch.arange(32)).sum(-1).view(torch.uint8).view(N, nb, 8)[..., :4]   # little-endian u32
+    d = b[..., :2].reshape(G, 8, nb, 2).transpose(1, 2).reshape(G, nb, 16)
+    qs = qs.reshape(G, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(G, nb, 128)
+    qh = qh.reshape(G, 8, nb, 4).transpose(1, 2).reshape(G, nb, 32)
+    return torch.cat([d, qs, qh], -1).reshape(N, nb * 22).contiguous()
 
 
 def _interleave_q4k(data: torch.Tensor, K: int) -> torch.Tensor:

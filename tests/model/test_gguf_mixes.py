@@ -45,6 +45,33 @@ def test_rewritten_as_q8_0_blocks_without_loss(fmt):
         assert torch.equal(w.dequantize(), torch.from_numpy(ref))
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_q5_0_rows_interleave_as_q5_0x8(level, m):
+    """A Q5_0 file's rows (Q8_0 blocks after the load's rewrite, their quants in [-16, 15]) regroup as
+    Q5_0x8 for int8 activations: 5.5 bits a weight read, the same products as the Q8_0 rows' (integer sums,
+    the same scales) and the same rows back from dequantize. 72 rows: a 16-row work item and a last one of 8.
+    A Q8_0 matrix with a quant outside 5 bits keeps Q8_0x8."""
+    n, k = 72, 768
+    raw = torch.from_numpy(random_blocks("Q5_0", n, k, np.random.default_rng(m)))
+    rows_w = PackedWeight("Q8_0", as_q8_0("Q5_0", raw, k), k, int8_act=True)
+    w = PackedWeight("Q8_0", rows_w.data.clone(), k, int8_act=True)
+    w.interleave()
+    assert w.fmt == "Q5_0x8" and w.data.shape == raw.shape
+    dense = rows_w.dequantize()
+    assert torch.equal(w.dequantize(), dense)
+    ids = torch.tensor([5, 0, 71, 5, 8, 63])
+    assert torch.equal(w.dequantize(rows=ids), dense[ids])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = F.linear(quant.q8_round(x).double(), dense.double())
+    got = w._qmatmul(x, int8_act=True)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(got, rows_w._qmatmul(x, int8_act=True), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    wide = PackedWeight("Q8_0", rows_w.data.clone(), k, int8_act=True)
+    wide.data[3, 2] = 100                                     # one quant outside [-16, 15]
+    wide.interleave()
+    assert wide.fmt == "Q8_0x8"
+
+
 def _parts(seed: int = 0) -> list[PackedWeight]:
     rng = np.random.default_rng(seed)
     return [PackedWeight(f, torch.from_numpy(random_blocks(f, n, 512, rng)), 512)

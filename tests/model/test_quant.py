@@ -14,7 +14,7 @@ from pagedserve.model import quant
 from pagedserve.model.quant import FORMATS, INTERLEAVED, PackedWeight, quantize_int8
 
 LEVELS = kernels.host_levels()
-GGUF_FORMATS = [f for f in FORMATS if f != "I8" and f not in INTERLEAVED.values()]     # the file's layouts
+GGUF_FORMATS = [f for f in FORMATS if f != "I8" and f not in quant.GROUPED]     # the file's layouts
 # where the f16 scale fields of each block lie (byte offsets), the rest is random quants
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
