@@ -878,20 +878,22 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
         for (int sb = 0; sb < K / 256; sb++) {
             const uint8_t *b0 = g0 + (int64_t)sb * Q4KX8_BYTES, *b1 = g1 + (int64_t)sb * Q4KX8_BYTES;
             const __m512 dv = cat_f16(b0, b1), mv = cat_f16(b0 + 16, b1 + 16);
-            for (int s = 0; s < 8; s++) {
-                const int t = s >> 1, half = s & 1, j = 8 * sb + s;
-                const __m512 sc = cat_u8ps(b0 + 32 + 8 * s, b1 + 32 + 8 * s);
-                const __m512 mn = cat_u8ps(b0 + 96 + 8 * s, b1 + 96 + 8 * s);
-                const __m512 dw = _mm512_mul_ps(dv, sc), mw = _mm512_mul_ps(_mm512_mul_ps(mv, mn), _mm512_set1_ps(-1.0f));
-                __m512i v[8];
-                for (int p = 0; p < 8; p++) {
-                    const __m512i c = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
-                    v[p] = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, _mm512_set1_epi8(15));
-                }
+            for (int t = 0; t < 4; t++) {          /* a pair of sub-blocks: their 32 shared bytes a row loaded once */
+                __m512i ch[8];
+                for (int p = 0; p < 8; p++) ch[p] = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
+                for (int half = 0; half < 2; half++) {
+                    const int s = 2 * t + half, j = 8 * sb + s;
+                    const __m512 sc = cat_u8ps(b0 + 32 + 8 * s, b1 + 32 + 8 * s);
+                    const __m512 mn = cat_u8ps(b0 + 96 + 8 * s, b1 + 96 + 8 * s);
+                    const __m512 dw = _mm512_mul_ps(dv, sc), mw = _mm512_mul_ps(_mm512_mul_ps(mv, mn), _mm512_set1_ps(-1.0f));
+                    __m512i v[8];
+                    for (int p = 0; p < 8; p++)
+                        v[p] = _mm512_and_si512(half ? _mm512_srli_epi16(ch[p], 4) : ch[p], _mm512_set1_epi8(15));
 #pragma GCC unroll 8
-                for (int m = 0; m < M; m++)
-                    x16_block(v, x.q + (int64_t)m * K + 32 * j, dw, mw, x.d[m * nb + j], x.ds[m * nb + j], &acc[m],
-                              &accm[m]);
+                    for (int m = 0; m < M; m++)
+                        x16_block(v, x.q + (int64_t)m * K + 32 * j, dw, mw, x.d[m * nb + j], x.ds[m * nb + j],
+                                  &acc[m], &accm[m]);
+                }
             }
         }
 #pragma GCC unroll 8
