@@ -105,10 +105,13 @@ def workspace_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, max_mod
     return (act + gather) * dtype_bytes + max_num_seqs * cfg.vocab_size * 4
 
 
-def pool_blocks(args, block_bytes: int, workspace: int, free: int, total: int | None, ranks: int) -> tuple[int, str]:
+def pool_blocks(args, block_bytes: int, workspace: int, free: int, total: int | None, ranks: int,
+                need_blocks: int | None = None) -> tuple[int, str]:
     """The KV pool in blocks, and how it was sized: --num-kv-blocks, else --kv-cache-memory, else on a GPU
     gpu_memory_utilization of each rank's device (`free` / `total`: its bytes once the weights are
-    loaded), else 20 % of the host's `free` bytes after the workspace, at most 4 GiB."""
+    loaded), else on the host what max_num_seqs sequences of max_model_len tokens need (`need_blocks`),
+    at most 20 % of the host's `free` bytes after the workspace and at most 4 GiB (as llama.cpp sizes its
+    cache to its slots' context, not to the machine)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks, "num_kv_blocks"
     if args.kv_cache_memory is not None:
@@ -120,6 +123,12 @@ def pool_blocks(args, block_bytes: int, workspace: int, free: int, total: int | 
     else:
         budget = min(int(0.2 * max(0, free - workspace)), 4 * GiB)
         how = f"20% of {free / GiB:.1f} GiB free after workspace, at most 4 GiB"
+        if need_blocks is not None:
+            need = (f"max_num_seqs {args.max_num_seqs} x max_model_len {args.max_model_len or 'of the model'} "
+                    f"need {need_blocks} blocks")
+            if 2 <= need_blocks <= budget // block_bytes:
+                return need_blocks, f"{need}; the cap ({how}) would allow {budget // block_bytes}"
+            how = f"{how}; {need}"
     if budget // block_bytes < 2:
         raise ValueError(f"kv_cache_memory {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
     return budget // block_bytes, how

@@ -113,3 +113,9 @@ def test_the_engines_kv_pool_is_sized_by_the_first_rule_that_applies():
     assert pool_blocks(EngineArgs(), block, 0, 100 * GiB, None, 1)[0] == 4 * GiB // block       # at most 4 GiB
     with pytest.raises(ValueError, match="kv_cache_memory .* fewer than 2 blocks"):
         pool_blocks(EngineArgs(kv_cache_memory="3MiB"), block, 0, 0, None, 1)
+    # on the host: what max_num_seqs x max_model_len need, when that is under the cap; the cap above it
+    small = EngineArgs(max_num_seqs=4, max_model_len=512)
+    blocks, how = pool_blocks(small, block, 0, 100 * GiB, None, 1, need_blocks=129)
+    assert blocks == 129 and "max_num_seqs 4 x max_model_len 512 need 129 blocks" in how and "would allow 2048" in how
+    blocks, how = pool_blocks(EngineArgs(), block, 0, 100 * GiB, None, 1, need_blocks=10**6)
+    assert blocks == 4 * GiB // block and "need 1000000 blocks" in how

@@ -185,7 +185,9 @@ class EngineCore:
     def _size_kv_pool(self, kv_dtype: torch.dtype) -> int:
         a, per_block = self.args, self.kv_block_bytes
         free, total = torch.cuda.mem_get_info() if a.device == "cuda" else (available_memory_bytes(), None)
-        blocks, how = pool_blocks(a, per_block, self.workspace_bytes, free, total, self.executor.tp.size)
+        per_seq = -(-self.max_model_len // a.block_size) * self.kv_layout.num_groups     # a table per layer group
+        blocks, how = pool_blocks(a, per_block, self.workspace_bytes, free, total, self.executor.tp.size,
+                                  need_blocks=a.max_num_seqs * per_seq + 1)                # + the null block
         kv = f"KV {self.kv_cache_dtype_name}" + (" + float32 scale per token and kv head" if kv_scale_bytes(kv_dtype)
                                                   else "")
         log.info("memory plan: weights %.2f GiB (%s) | workspace ~%.2f GiB (activations at %d tokens/step, logits, "
