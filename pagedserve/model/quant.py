@@ -332,9 +332,11 @@ class PackedParts(Packed):
 def stack_rows(parts: list[PackedWeight]) -> Packed:
     """Fused projections (q|k|v, gate|up): one PackedWeight where the parts share a format, else the
     runs of one format each stacked (PackedParts)."""
+    def kind(p: PackedWeight) -> tuple:      # a Q5_0 file's rows (Q8_0 after as_q8_0) apart from wider Q8_0 ones:
+        return p.fmt, p.fmt == "Q8_0" and _fits_5_bits(p.data, p.K)         # they regroup denser (interleave)
     runs: list[list[PackedWeight]] = []
     for p in parts:
-        if runs and runs[-1][0].fmt == p.fmt:
+        if runs and kind(runs[-1][0]) == kind(p):
             runs[-1].append(p)
         else:
             runs.append([p])

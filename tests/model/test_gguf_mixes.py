@@ -86,6 +86,12 @@ def test_stack_rows_keeps_one_format_as_one_weight_and_a_mix_as_parts():
     assert isinstance(mix, PackedParts) and [p.fmt for p in mix.parts] == ["Q4_K", "Q6_K", "Q8_0"]
     assert mix.shape == (112, 512) and mix.fmt == "Q4_K+Q6_K+Q8_0"
     assert torch.equal(mix.dequantize(), torch.cat([p.dequantize() for p in ps]))
+    q5 = PackedWeight("Q8_0", as_q8_0("Q5_0", torch.from_numpy(random_blocks("Q5_0", 16, 512, np.random.default_rng(1))),
+                                     512), 512)
+    split = stack_rows([q5, q5, ps[3]])      # a Q5_0 file's q|k beside a Q8_0 v: two runs, q|k regroups as Q5_0x8
+    assert isinstance(split, PackedParts) and [p.shape[0] for p in split.parts] == [32, 8]
+    split.interleave()
+    assert [p.fmt for p in split.parts] == ["Q5_0x8", "Q8_0x8"]
     with pytest.raises(ValueError, match="one K"):
         PackedParts([ps[0], PackedWeight("Q8_0", torch.zeros(8, 34 * 8, dtype=torch.uint8), 256)])
 
