@@ -334,6 +334,39 @@ def _read_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torc
 
 # ---------------------------------------------------------------- GGUF
 
+def gguf_reader(path: str):
+    """gguf's reader, but an array field is read as one span (its element type, its length, its bytes),
+    not element by element: the tokenizer's 150k-entry arrays took ~8 s of every start of a Qwen2.5 file
+    this way (it is what the engine itself reads: scalars, strings and tensors; the tokenizer is
+    transformers' own read, converted once and cached). Array fields then give their length through
+    gguf_array_len, and no contents()."""
+    import gguf
+
+    class _SpanReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs, n, t = orig_offs + 12, int(alen[0]), gguf.GGUFValueType(itype[0])
+            if t == gguf.GGUFValueType.STRING:          # walk the lengths only
+                data = self.data
+                for _ in range(n):
+                    offs += 8 + int(data[offs:offs + 8].view(np.uint64)[0])
+            elif t == gguf.GGUFValueType.ARRAY:
+                raise ValueError("nested GGUF arrays are not read")
+            else:
+                offs += n * np.dtype(self.gguf_scalar_to_np[t]).itemsize
+            return offs - orig_offs, [itype, alen, self.data[orig_offs + 12:offs]], [], [gguf.GGUFValueType.ARRAY, t]
+
+    return _SpanReader(path)
+
+
+def gguf_array_len(reader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    return None if f is None else int(f.parts[-2][0])
+
+
 def gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -368,9 +401,8 @@ def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[
 def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[ModelConfig, dict]:
     """packed: the matrices whose type the qmatmul kernels read (FORMATS) stay in their blocks, as
     PackedWeight; everything else is dequantized to `dtype`."""
-    import gguf
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf_reader(path)
     except Exception as e:  # bad magic, truncated file, ...
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     arch = gguf_field(reader, "general.architecture")
@@ -457,7 +489,7 @@ def _gguf_config(reader, arch: str) -> ModelConfig:
     hidden = int(g("embedding_length"))
     n_vocab = g("vocab_size")
     if n_vocab is None:
-        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        n_vocab = gguf_array_len(reader, "tokenizer.ggml.tokens")
     scaling = None
     if g("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
@@ -584,9 +616,8 @@ def read_model_config(src: ModelSource) -> ModelConfig:
     """The model's shape without loading its weights."""
     if src.kind == "hf":
         return _hf_model_config(src.path)
-    import gguf
     try:
-        reader = gguf.GGUFReader(src.path)
+        reader = gguf_reader(src.path)
     except Exception as e:
         raise ModelLoadError(f"{src.path} is not a readable GGUF file: {e}") from e
     return _gguf_config(reader, gguf_field(reader, "general.architecture"))

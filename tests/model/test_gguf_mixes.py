@@ -226,3 +226,32 @@ def test_shape_disagreeing_with_metadata_names_the_tensor(tmp_path, monkeypatch)
     monkeypatch.setattr(loader, "_LOADED", {})
     with pytest.raises(ModelLoadError, match=r"layers\.0\.qkv_proj.*shape"):
         load_model(resolve_model(str(path)), quantization="gguf")
+
+
+def test_span_reader_reads_what_ggufs_reader_reads(tmp_path):
+    """The loader's reader (arrays read as one span: a tokenizer's vocabulary took seconds element by
+    element) gives gguf's scalars, strings and tensors, and each array's length."""
+    path = tmp_path / "m.gguf"
+    write_mix(str(path), "qwen2", "Q4_K_M")
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_block_count(2)
+    w.add_token_list([f"tok{i}é" for i in range(300)])
+    w.add_token_types([1] * 300)
+    w.add_token_scores([0.5] * 300)
+    w.add_string("general.name", "tiny")
+    w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, tmp_path / "t.gguf"):
+        ours, theirs = loader.gguf_reader(str(p)), gguf.GGUFReader(str(p))
+        assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \
+            [(t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+        for key, f in theirs.fields.items():
+            if f.types[0] == gguf.GGUFValueType.ARRAY:
+                assert loader.gguf_array_len(ours, key) == len(f.data), key
+            else:
+                assert loader.gguf_field(ours, key) == f.contents(), key
+    assert loader.gguf_array_len(loader.gguf_reader(str(tmp_path / "t.gguf")), "tokenizer.ggml.tokens") == 300
