@@ -27,7 +27,7 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded, pads_rows, warm
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, measure_crossover
+from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, cached_crossover
 from pagedserve.model.rope import rope_tables
 
 
@@ -312,18 +312,19 @@ class LlamaForCausalLM(nn.Module):
                 f"products, native glue in float32{'' if self.norm.dtype == torch.float32 else ', the residual stream too'})")
 
     @torch.inference_mode()
-    def choose_gemm_form(self, int8_act: bool = False) -> str:
+    def choose_gemm_form(self, int8_act: bool = False, cache: str | None = None) -> str:
         """Time F.linear against (w @ x.T).T on this model's MLP and LM-head weights at 8 and 64 rows;
         the transposed form is kept for batches of 2..128 rows only when it is clearly faster (1.5x:
         where the two are close, run-to-run noise must not flip the numerics between runs).
-        PAGEDSERVE_SMALL_M_GEMM=linear|transposed decides instead. Returns the line logged at load."""
+        PAGEDSERVE_SMALL_M_GEMM=linear|transposed decides instead. Packed weights: their crossover
+        (cached in `cache`, a folder, when given). Returns the line logged at load."""
         forced = os.environ.get("PAGEDSERVE_SMALL_M_GEMM")
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.head_weight
         packed = any(isinstance(m.weight, Packed) for layer in self.layers for m in layer.products()) or \
             isinstance(head, Packed)
-        lines = [self._choose_packed_crossover(head, int8_act)] if packed else []
+        lines = [self._choose_packed_crossover(head, int8_act, cache)] if packed else []
         probes = self._dense_probes()
         if not probes:
             return "; ".join(lines)
@@ -375,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         add(self.head_weight, None, self.transposed, head_rows)
         return "GEMM shapes: " + warm(products)
 
-    def _choose_packed_crossover(self, head, int8_act: bool) -> str:
+    def _choose_packed_crossover(self, head, int8_act: bool, cache: str | None = None) -> str:
         """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
         measured per shape: the layers' products timed in turn as a step reads them (measure_crossover),
         the LM head on its own."""
@@ -388,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
                 w.int8_act = int8_act
                 if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
                     w.interleave()
-            m, line = measure_crossover(ws, self.norm.dtype)
+            m, line = cached_crossover(ws, self.norm.dtype, cache)
             lines.append(f"{name}: {line}")
             for w in ws:
                 w.small_m = m

@@ -204,7 +204,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     if dense_copy:
         log.info("%s", add_dense_copies(model, dtype))
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
-    log.info("%s", model.choose_gemm_form(int8_act))
+    log.info("%s", model.choose_gemm_form(int8_act, cache_dir(src.path, "crossover") if quantization == "gguf" else None))
     log.info("%s", model.choose_layer_path())
     log.info("%s", model.choose_decode_path())
     return model, cfg

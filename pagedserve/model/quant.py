@@ -519,6 +519,43 @@ def measure_crossover(ws: Packed | Sequence[Packed], dtype: torch.dtype) -> tupl
     return best, f"{head} ({kernel}/{other} per product, {len(timed)} weights in turn, at {shown})"
 
 
+def cached_crossover(ws: Sequence[Packed], dtype: torch.dtype, cache: str | None) -> tuple[int, str]:
+    """measure_crossover, measured once per host, model file and build: kept in `cache` (a folder; the
+    file's name and contents carry the key: engine, torch and kernel builds, dtype, the weights' formats
+    and shapes, the measurement's constants), so the next start takes the same arithmetic without the
+    seconds of timing (a 0.5B's took 13 s). A missing, damaged or other key's entry is measured again;
+    a folder that cannot be written costs a warning. PAGEDSERVE_CROSSOVER_CACHE=0 measures every time."""
+    if cache is None or os.environ.get("PAGEDSERVE_CROSSOVER_CACHE") == "0":
+        return measure_crossover(ws, dtype)
+    import hashlib
+    import json
+    import logging
+    import pagedserve
+    key = {"engine": pagedserve.__version__, "torch": torch.__version__,
+           "kernels": os.path.basename(_lib()._name), "dtype": str(dtype), "int8_act": ws[0].int8_act,
+           "dense_copy": ws[0].dense is not None, "weights": [[w.fmt, *w.shape] for w in ws],
+           "constants": [COLD_BYTES, PACKED_MARGIN, SMALL_M_MAX]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cache, f"crossover-{digest}.json")
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        rows = entry["rows"]
+        if entry["key"] == key and isinstance(rows, int) and 0 <= rows <= SMALL_M_MAX and (rows or ws[0].dense is not None):
+            return rows, f"{entry['line']} [measured at an earlier start: {path}]"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                                                     # missing or damaged: measured again
+    rows, line = measure_crossover(ws, dtype)
+    try:
+        os.makedirs(cache, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"key": key, "rows": rows, "line": line}, f)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        logging.getLogger("pagedserve").warning("crossover not cached (%s): it is measured again at the next start", e)
+    return rows, line
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight stays packed; `linear()` in llama.py dispatches on the weight."""
 

@@ -311,3 +311,34 @@ def test_dense_copies_are_skipped_when_memory_is_short():
     assert describe(model) == "packed Q4_1 x 3 + dense copies"
     ids = torch.tensor([0, 31, 5])                                           # lookups read the copy: same rows
     torch.testing.assert_close(model["emb"](ids), e.dequantize(rows=ids), rtol=0, atol=0)
+
+
+def test_crossover_is_measured_once_and_kept(tmp_path, monkeypatch, caplog):
+    """cached_crossover: the first start measures and keeps the answer in the cache folder; the next takes
+    it without timing (the same arithmetic every start); a damaged entry or another key (dtype, formats)
+    is measured again; a folder that cannot be written is a warning, not a failure."""
+    calls = []
+    real = quant.measure_crossover
+
+    def counting(ws, dtype):
+        calls.append(dtype)
+        return real(ws, dtype)
+    monkeypatch.setattr(quant, "measure_crossover", counting)
+    ws = [quantize_int8(torch.randn(64, 256))]
+    m, line = quant.cached_crossover(ws, torch.float32, str(tmp_path))
+    assert len(calls) == 1 and "earlier start" not in line
+    (entry,) = list(tmp_path.iterdir())
+    m2, line2 = quant.cached_crossover(ws, torch.float32, str(tmp_path))
+    assert (m2, len(calls)) == (m, 1) and line2.startswith(line) and "measured at an earlier start" in line2
+    entry.write_text('{"key": {"engine": "0.0"}, "rows": 3')                 # truncated
+    assert quant.cached_crossover(ws, torch.float32, str(tmp_path))[0] >= 1 and len(calls) == 2
+    quant.cached_crossover(ws, torch.bfloat16, str(tmp_path))                 # another key: its own entry
+    assert len(calls) == 3 and len(list(tmp_path.iterdir())) == 2
+    blocked = tmp_path / "file"
+    blocked.write_text("")                                                    # a cache "folder" that is a file
+    with caplog.at_level("WARNING", logger="pagedserve"):
+        assert quant.cached_crossover(ws, torch.float32, str(blocked / "sub"))[0] >= 1
+    assert "not cached" in caplog.text and len(calls) == 4
+    monkeypatch.setenv("PAGEDSERVE_CROSSOVER_CACHE", "0")
+    quant.cached_crossover(ws, torch.float32, str(tmp_path))
+    assert len(calls) == 5
