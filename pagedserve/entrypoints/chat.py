@@ -43,7 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         except (ValueError, TypeError) as e:
             raise RequestError(getattr(e, "param", "messages"), str(e)) from None
         return [{"prompt_token_ids": ids}]
-    rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt)
+    rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt, prompt_field="messages")
     created = int(time.time())
     if body.stream:
         n_prompt = len(prompts[0]["prompt_token_ids"])

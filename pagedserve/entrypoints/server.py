@@ -113,11 +113,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_, exc: RequestError):
-        return error_response(exc.status, exc.message, exc.param, exc.type)
+        return error_response(exc.status, exc.message, exc.param, exc.type, code=exc.code)
 
     @app.exception_handler(ParamError)
     async def _param(_, exc: ParamError):
-        return error_response(400, str(exc), exc.param)
+        return error_response(400, str(exc), exc.param, code=exc.code)
 
     @app.exception_handler(QueueFullError)
     async def _full(_, exc: QueueFullError):
