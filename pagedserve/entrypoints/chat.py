@@ -50,6 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         return sse(_chunks(st, rid, created, streams, body, top or 0, mode, n_prompt), streams)
     out, = await collect(http, streams)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model_name(st, body.model),
+            "system_fingerprint": st.system_fingerprint,
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
             "usage": usage_of([out])}
 
@@ -81,7 +82,7 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCo
 
     def wrap(choices):
         chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name(st, body.model),
-                 "choices": choices}
+                 "system_fingerprint": st.system_fingerprint, "choices": choices}
         return chunk | {"usage": usage.body()} if every else chunk
 
     for i in range(body.n):

@@ -23,7 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
 from pagedserve.entrypoints.metrics import ServerMetrics
 from pagedserve.entrypoints.routes import router
-from pagedserve.entrypoints.server_state import ServerState
+from pagedserve.entrypoints.server_state import ServerState, system_fingerprint
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
@@ -148,7 +148,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
     metrics = ServerMetrics(engine)
     state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
                         chat_template=chat_template, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, system_fingerprint=system_fingerprint(engine))
     if dashboard:
         from pagedserve.entrypoints.dashboard import StateRecorder
         state.recorder = recorder = StateRecorder()
