@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 
-class ParamError(ValueError):
-    """A request field is invalid. `param` names it; the server answers 400 with it."""
+# OpenAI's error code for a prompt (or a prompt + max_tokens) longer than the model's context
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
-    def __init__(self, param: str, message: str):
+
+class ParamError(ValueError):
+    """A request field is invalid. `param` names it; the server answers 400 with it, and with `code`
+    where OpenAI has one for the error (CONTEXT_LENGTH_EXCEEDED)."""
+
+    def __init__(self, param: str, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class QueueFullError(RuntimeError):

@@ -28,7 +28,7 @@ from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidat
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
 from pagedserve.core.traffic import ITL_HEADROOM, TTFT_STEP_SHARE, TrafficClasses
-from pagedserve.errors import ParamError, QueueFullError
+from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
 
@@ -96,21 +96,33 @@ class Scheduler:
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
-        """Reject at once a request that could never run (ParamError names the field)."""
-        total = prompt_len + max_tokens
+        """Reject at once a request that could never run (ParamError names the field). A prompt with no room
+        left for one token is the prompt's fault (OpenAI's context_length_exceeded); one that fits but not with
+        its max_tokens is max_tokens' (as vLLM: that is what the client lowers), with the same code unless
+        max_tokens alone is more than the context (then trimming the prompt would not help)."""
+        total, limit = prompt_len + max_tokens, self.cfg.max_model_len
         if prompt_len < 1:
             raise ParamError("prompt", "prompt: must contain at least one token")
         if n > self.cfg.max_num_seqs:
             raise ParamError("n", f"n ({n}) exceeds max_num_seqs ({self.cfg.max_num_seqs}): each sample is a "
                                   f"running sequence")
-        if total > self.cfg.max_model_len:
+        if prompt_len >= limit:
+            raise ParamError("prompt", f"this model's maximum context length is {limit} tokens, and the prompt has "
+                                       f"{prompt_len} (it must leave room for at least one output token): shorten "
+                                       f"the prompt", CONTEXT_LENGTH_EXCEEDED)
+        if total > limit:
             raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
-                                           f"exceeds max_model_len ({self.cfg.max_model_len})")
-        need = self.kv.max_blocks_held(total, self.cfg.max_num_batched_tokens)
-        if need > self.kv.pool.num_usable_blocks:
-            raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} "
-                                           f"KV blocks, more than the whole KV cache ({self.kv.pool.num_usable_blocks}"
-                                           f" blocks of {self.kv.block_size} tokens)")
+                                           f"exceeds max_model_len ({limit}): max_tokens can be at most "
+                                           f"{limit - prompt_len} here",
+                             None if max_tokens > limit else CONTEXT_LENGTH_EXCEEDED)
+        usable = self.kv.pool.num_usable_blocks
+        asked = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens})"
+        for field_, what, tokens in (("prompt", f"prompt ({prompt_len} tokens) + 1 output token", prompt_len + 1),
+                                     ("max_tokens", asked, total)):
+            need = self.kv.max_blocks_held(tokens, self.cfg.max_num_batched_tokens)
+            if need > usable:
+                raise ParamError(field_, f"{what} needs {need} KV blocks, more than the whole KV cache ({usable} "
+                                         f"blocks of {self.kv.block_size} tokens)", CONTEXT_LENGTH_EXCEEDED)
         if not self.cfg.enable_chunked_prefill and prompt_len > self.cfg.max_num_batched_tokens:
             raise ParamError("prompt", f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
                                        f"({self.cfg.max_num_batched_tokens}) and chunked prefill is disabled")

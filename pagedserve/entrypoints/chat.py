@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
-from pagedserve.entrypoints.protocol import ChatCompletionRequest, message_dict, to_sampling_params
+from pagedserve.entrypoints.protocol import ChatCompletionRequest, legacy_functions, message_dict, to_sampling_params
 from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, collect, deltas, model_name, sse, state,
                                               usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
@@ -22,6 +22,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = state(http)
+    legacy_functions(body)
     template = st.chat_template or st.engine.tokenizer.chat_template
     mode = tool_calls.tool_mode(body, st.tool_call_parser, template)
     grammar = tool_calls.constraint(body, mode)
@@ -43,13 +44,14 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         except (ValueError, TypeError) as e:
             raise RequestError(getattr(e, "param", "messages"), str(e)) from None
         return [{"prompt_token_ids": ids}]
-    rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt)
+    rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt, prompt_field="messages")
     created = int(time.time())
     if body.stream:
         n_prompt = len(prompts[0]["prompt_token_ids"])
         return sse(_chunks(st, rid, created, streams, body, top or 0, mode, n_prompt), streams)
     out, = await collect(http, streams)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model_name(st, body.model),
+            "system_fingerprint": st.system_fingerprint,
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
             "usage": usage_of([out])}
 
@@ -81,7 +83,7 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: ChatCo
 
     def wrap(choices):
         chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name(st, body.model),
-                 "choices": choices}
+                 "system_fingerprint": st.system_fingerprint, "choices": choices}
         return chunk | {"usage": usage.body()} if every else chunk
 
     for i in range(body.n):

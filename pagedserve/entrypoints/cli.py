@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 
@@ -22,6 +23,17 @@ def sampling_from(ns):
     from pagedserve.sampling_params import SamplingParams
     return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                           top_k=ns.top_k, seed=ns.sampling_seed)
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings, as vLLM takes them: --allowed-origins '["https://app.example"]'."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
 
 
 def runs_as_worker(ns) -> bool:
@@ -128,6 +140,11 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 and /debug")
     s.add_argument("--served-model-name", default=None)
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        s.add_argument(f"--allowed-{flag}", type=json_list, default=["*"],
+                       help=f'CORS: the {what} browsers may use, a JSON list (default: ["*"])')
+    s.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="CORS: let browsers send credentials (cookies, Authorization) cross-origin")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may live before it ends with a timeout error (default: 600)")

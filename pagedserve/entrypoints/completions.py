@@ -42,7 +42,8 @@ async def completions(body: CompletionRequest, http: Request):
     choices = [_choice(st, body, p, out, o, i * body.n + o.index, echo_only, echo=body.echo)
                for i, (p, out) in enumerate(zip(prompts, outs)) for o in out.outputs]
     return {"id": rid, "object": "text_completion", "created": created, "model": model_name(st, body.model),
-            "choices": choices, "usage": usage_of(outs, count_completion=not echo_only)}
+            "system_fingerprint": st.system_fingerprint, "choices": choices,
+            "usage": usage_of(outs, count_completion=not echo_only)}
 
 
 def tokenize_prompts(st: ServerState, prompt, field: str = "prompt") -> list[dict]:
@@ -100,7 +101,7 @@ async def _chunks(st: ServerState, rid: str, created: int, streams, body: Comple
 
     def wrap(choices):
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name(st, body.model),
-                 "choices": choices}
+                 "system_fingerprint": st.system_fingerprint, "choices": choices}
         return chunk | {"usage": usage.body(count_completion=not echo_only)} if every else chunk
 
     echoed: set[int] = set()

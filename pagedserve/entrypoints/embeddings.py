@@ -23,9 +23,9 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     st = state(http)
     try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
         rid, prompts, streams = await admit(st, http, body, "embd-", PoolingParams(dimensions=body.dimensions),
-                                            lambda: tokenize_prompts(st, body.input, "input"))
-    except ParamError as e:                  # the engine's prompt (and its length check): here the `input`
-        raise RequestError("input" if e.param in ("prompt", "max_tokens") else e.param, str(e)) from None
+                                            lambda: tokenize_prompts(st, body.input, "input"), prompt_field="input")
+    except ParamError as e:                  # the engine's one sampled token (max_tokens 1) is the `input`'s too
+        raise RequestError("input" if e.param == "max_tokens" else e.param, str(e), code=e.code) from None
     outs = await collect(http, streams)
     data = []
     for i, out in enumerate(outs):

@@ -7,17 +7,20 @@ from starlette.responses import JSONResponse   # (fastapi.responses re-exports i
 
 
 class RequestError(Exception):
-    """An error answered to the client in OpenAI's error JSON; `param` names the field at fault."""
+    """An error answered to the client in OpenAI's error JSON; `param` names the field at fault, `code`
+    is OpenAI's string code where it has one (else the body's code is the status)."""
 
-    def __init__(self, param: str | None, message: str, status: int = 400, type_: str = "invalid_request_error"):
+    def __init__(self, param: str | None, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.param, self.message, self.status, self.type = param, message, status, type_
+        self.param, self.message, self.status, self.type, self.code = param, message, status, type_, code
 
 
-def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status if code is None else code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, type_), status_code=status, headers=headers)
+                   headers: dict | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, type_, code), status_code=status, headers=headers)

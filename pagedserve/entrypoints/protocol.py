@@ -1,10 +1,11 @@
 """OpenAI request bodies (pydantic) and the mapping to SamplingParams. An unknown field is a 400
-that names it; the few fields accepted and ignored are listed in `IGNORED_FIELDS` (and the README)."""
+that names it; the few fields accepted and ignored are listed in `IGNORED_FIELDS` (and the README).
+An explicit null in a field OpenAI's spec marks nullable means its default (`NULL_IS_DEFAULT`)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.errors import ParamError
 from pagedserve.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams,
@@ -12,7 +13,9 @@ from pagedserve.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_
 
 INT32_MAX = 2**31 - 1
 # accepted and ignored: they change nothing a single-model server without storage does
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  # chat: audio output is refused by `modalities`; no web search; a prediction changes only speed
+                  "audio", "prediction", "web_search_options", "verbosity", "stream_options.include_obfuscation")
 
 
 def check_utf8(value: Any) -> Any:
@@ -35,6 +38,15 @@ def check_utf8(value: Any) -> Any:
 class _Body(BaseModel):
     """Every number finite, every string valid Unicode, no unknown field: a bad field is a 400 that names it."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # fields OpenAI's spec marks nullable that have a non-null default here: an explicit null is that default
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -46,6 +58,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
     # vLLM's extension (guidellm always sends it): with include_usage, usage so far in every chunk
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None     # OpenAI's; accepted and ignored (no obfuscation padding)
 
     def usage_in_every_chunk(self) -> bool:
         return self.include_usage and self.continuous_usage_stats
@@ -92,6 +105,7 @@ class _Sampling(_Body):
 
 
 class _Common(_Sampling):
+    NULL_IS_DEFAULT = ("n", "stream")
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     n: int = Field(1, ge=1, le=INT32_MAX)          # at most max_num_seqs: checked against the engine
     stop_token_ids: list[int] | None = None
@@ -114,6 +128,7 @@ class _Common(_Sampling):
 
 
 class CompletionRequest(_Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT + ("echo",)
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -135,10 +150,11 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]   # function: legacy `tool`
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None       # legacy: an assistant's one call, as a tool call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -165,6 +181,7 @@ class NamedToolChoice(_Body):
 
 
 class ChatCompletionRequest(_Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT + ("logprobs", "parallel_tool_calls")
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -177,6 +194,15 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated function calling: served as `tools` / `tool_choice` (legacy_functions)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    modalities: list[Literal["text", "audio"]] | None = None    # "audio" is a 400 (text output only)
+    # accepted and ignored (IGNORED_FIELDS)
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesTextFormat(_Body):
@@ -210,6 +236,7 @@ class ResponsesReasoning(_Body):
 class ResponsesRequest(_Sampling):
     """POST /v1/responses: OpenAI's fields, and vLLM's sampling extensions (top_k, min_p, seed, stop,
     repetition_penalty, priority). `input` items are checked by the route (400 naming the item)."""
+    NULL_IS_DEFAULT = ("stream", "store", "background", "parallel_tool_calls")
     input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -302,6 +329,24 @@ def to_sampling_params(req: _Common, max_tokens: int | None, logprobs: int | Non
         structured_outputs=constraint if constraint is not None else structured_outputs(req), **extra)
 
 
+def legacy_functions(req: ChatCompletionRequest) -> None:
+    """OpenAI's deprecated function calling as what replaced it: `functions` become tools of type function,
+    `function_call` the tool_choice (a ParamError naming the field when both forms are given); and
+    `modalities` asking for audio is refused (the server writes text)."""
+    if req.modalities is not None and "audio" in req.modalities:
+        raise ParamError("modalities", "modalities: only text output is supported (no audio)")
+    if req.functions is not None:
+        if req.tools is not None:
+            raise ParamError("functions", "functions: not with tools (functions is the deprecated form of tools)")
+        req.tools = [Tool(type="function", function=f) for f in req.functions]
+    if req.function_call is not None:
+        if req.tool_choice is not None:
+            raise ParamError("function_call", "function_call: not with tool_choice (function_call is the "
+                                              "deprecated form of tool_choice)")
+        fc = req.function_call
+        req.tool_choice = fc if isinstance(fc, str) else NamedToolChoice(type="function", function=fc)
+
+
 def message_dict(m: ChatMessage) -> dict:
     """A message as chat templates take it: text content; an assistant's tool calls with their
     arguments parsed (HF templates expect a mapping); a tool result's id and name."""
@@ -313,15 +358,16 @@ def message_dict(m: ChatMessage) -> dict:
                 raise ValueError(f"messages: content part type {p.get('type')!r} is not supported (only text)")
             parts.append(str(p.get("text", "")))
         content = "".join(parts)
-    out: dict[str, Any] = {"role": m.role, "content": content or ""}
+    out: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role, "content": content or ""}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
-    if m.tool_calls:
+    calls = list(m.tool_calls or []) + ([ToolCall(function=m.function_call)] if m.function_call else [])
+    if calls:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                             for c in m.tool_calls]
+                             for c in calls]
     return out
 
 

@@ -60,11 +60,14 @@ def model_name(st: ServerState, model: str | None) -> str:
 
 
 async def admit(st: ServerState, http: Request, body, prefix: str, params,
-                prompts: Callable[[], list[dict]]) -> tuple[str, list[dict], list[RequestStream]]:
+                prompts: Callable[[], list[dict]], prompt_field: str = "prompt"
+                ) -> tuple[str, list[dict], list[RequestStream]]:
     """The admission every generating route shares, in one order: `n` against max_num_seqs; the
     prompts (`prompts()`: tokenizing or a chat template, raising a RequestError naming its field) and
     the constraint's compilation in one worker thread, never the engine's; then one engine request
-    per prompt (`submit`). Returns the request id (`prefix` + a uuid), the prompts and their streams."""
+    per prompt (`submit`). The engine's errors about the prompt (its length: context_length_exceeded)
+    name the route's `prompt_field` (chat's `messages`, embeddings' `input`). Returns the request id
+    (`prefix` + a uuid), the prompts and their streams."""
     check_n(st, getattr(body, "n", 1))
 
     def prepare() -> list[dict]:
@@ -73,8 +76,13 @@ async def admit(st: ServerState, http: Request, body, prefix: str, params,
         return ps
     ps = await asyncio.to_thread(prepare)
     rid = f"{prefix}{uuid.uuid4().hex}"
-    streams = await submit(st, rid, ps, params, body.priority, stream=getattr(body, "stream", False),
-                           klass=traffic_class(http, body), model=body.model)
+    try:
+        streams = await submit(st, rid, ps, params, body.priority, stream=getattr(body, "stream", False),
+                               klass=traffic_class(http, body), model=body.model)
+    except ParamError as e:
+        if e.param != "prompt":
+            raise
+        raise RequestError(prompt_field, str(e), code=e.code) from None
     return rid, ps, streams
 
 
@@ -240,7 +248,7 @@ def sse(chunks: AsyncIterator[dict], streams: list[RequestStream], event_lines: 
         try:
             async for obj in chunks:
                 if isinstance(obj, RequestError):
-                    yield f"data: {json.dumps(error_body(obj.status, obj.message, obj.param, obj.type))}\n\n"
+                    yield f"data: {json.dumps(error_body(obj.status, obj.message, obj.param, obj.type, obj.code))}\n\n"
                     break
                 yield (f"event: {obj['type']}\n" if event_lines else "") + f"data: {json.dumps(obj)}\n\n"
         except EngineDeadError as e:

@@ -208,7 +208,7 @@ async def create_response(body: ResponsesRequest, http: Request):
                                                              tools=tool_calls.template_tools(chat, mode))}]
         except (ValueError, TypeError) as e:
             raise RequestError("input", str(e)) from None
-    rid, prompts, streams = await admit(st, http, body, "resp_", params, prompt)
+    rid, prompts, streams = await admit(st, http, body, "resp_", params, prompt, prompt_field="input")
     ids = prompts[0]["prompt_token_ids"]
     shell = _shell(st, body, rid, int(time.time()))
     if body.stream:

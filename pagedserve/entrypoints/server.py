@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI + uvicorn over AsyncLLMEngine.
 
-This module builds the app and owns its life: the request guard (body size, API key, draining),
+This module builds the app and owns its life: CORS, the request guard (body size, API key, draining),
 the mapping of every error to OpenAI's error JSON, graceful shutdown on SIGTERM and exit on a
 dead engine. The routes themselves are module-level functions in `routes.py`."""
 from __future__ import annotations
@@ -11,11 +11,13 @@ import hmac
 import logging
 import signal
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
@@ -23,10 +25,22 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
 from pagedserve.entrypoints.metrics import ServerMetrics
 from pagedserve.entrypoints.routes import router
-from pagedserve.entrypoints.server_state import ServerState
+from pagedserve.entrypoints.server_state import ServerState, system_fingerprint
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
+
+
+@dataclass(slots=True, frozen=True)
+class CORSConfig:
+    """vLLM's CORS flags (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials), served
+    by Starlette's CORSMiddleware outside the Guard: a browser's preflight (OPTIONS, which carries no key) is
+    answered before the API key is asked for; the request that follows still needs it."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class Guard:
@@ -113,11 +127,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_, exc: RequestError):
-        return error_response(exc.status, exc.message, exc.param, exc.type)
+        return error_response(exc.status, exc.message, exc.param, exc.type, code=exc.code)
 
     @app.exception_handler(ParamError)
     async def _param(_, exc: ParamError):
-        return error_response(400, str(exc), exc.param)
+        return error_response(400, str(exc), exc.param, code=exc.code)
 
     @app.exception_handler(QueueFullError)
     async def _full(_, exc: QueueFullError):
@@ -141,14 +155,14 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
               max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
               engine_thread: bool = True, chat_template: str | None = None,
               tool_call_parser: str | None = None, dashboard: bool = True,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, cors: CORSConfig = CORSConfig()) -> FastAPI:
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
     state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
                         chat_template=chat_template, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, system_fingerprint=system_fingerprint(engine))
     if dashboard:
         from pagedserve.entrypoints.dashboard import StateRecorder
         state.recorder = recorder = StateRecorder()
@@ -161,6 +175,10 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
     app.state.server = state
     app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
     app.add_middleware(Guard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    # added last, so outermost: a preflight never reaches the Guard, and its 401s carry the CORS headers too
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials)
     _install_error_handlers(app)
     app.include_router(router)
     if dashboard:
@@ -204,7 +222,9 @@ def run_server(args: EngineArgs, ns) -> int:
     app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
                     engine_thread=False, chat_template=template,
                     tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                    dashboard=ns.dashboard, reasoning_parser=ns.reasoning_parser)
+                    dashboard=ns.dashboard, reasoning_parser=ns.reasoning_parser,
+                    cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
+                                    ns.allow_credentials))
     state: ServerState = app.state.server
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     loop = asyncio.new_event_loop()

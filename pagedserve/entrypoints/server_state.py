@@ -3,6 +3,7 @@
 the routes), so the entrypoints have no import cycle."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
@@ -24,3 +25,15 @@ class ServerState:
     reasoning_parser: str | None = None   # --reasoning-parser: <think>...</think> -> reasoning_content
     recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
     responses: object = None              # /v1/responses' bounded ResponseStore (made on first use)
+    system_fingerprint: str = ""          # OpenAI's field on chat and text completions (system_fingerprint())
+
+
+def system_fingerprint(engine: LLMEngine) -> str:
+    """What OpenAI's `system_fingerprint` stands for: the backend configuration that decides the outputs.
+    Stable across restarts of the same version on the same model and numeric flags; any of them changing
+    changes it (a client comparing fingerprints learns that outputs may differ)."""
+    from pagedserve import __version__
+    a = engine.args
+    key = "|".join(map(str, (__version__, engine.source.name, engine.source.path, a.dtype, a.quantization,
+                              a.kv_cache_dtype, a.tensor_parallel_size)))
+    return "fp_pagedserve-" + hashlib.sha256(key.encode()).hexdigest()[:10]

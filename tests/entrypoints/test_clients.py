@@ -138,8 +138,8 @@ def test_tokenizer_endpoints_and_models(server, client):
 def test_unknown_fields_are_400_and_ignored_ones_accepted(server, client):
     base = server[0]
     r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                        "max_tokens": 1, "functions": []})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "functions"
+                                                        "max_tokens": 1, "logprob": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob"
     ok = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                         user="u1", metadata={"a": "b"}, store=False, seed=3)
     assert ok.choices[0].finish_reason == "length"
