@@ -120,10 +120,19 @@ def cmd_serve(ns) -> int:
     return run_server(EngineArgs.from_cli_args(ns), ns)
 
 
+def _log_level_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--log-level", default=default, choices=("debug", "info", "warning", "error"),
+                   help=f"what the engine logs to stderr (default: {default})")
+
+
 def _generate_flags(g: argparse.ArgumentParser) -> None:
+    # `generate [MODEL] PROMPT`, as `serve [MODEL]`; --model still names it
+    g.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="a GGUF file, an HF folder or a Hub id (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_sampling_flags(g)
+    _log_level_flag(g, "warning")
     EngineArgs.add_cli_args(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -131,6 +140,7 @@ def _generate_flags(g: argparse.ArgumentParser) -> None:
 def _chat_flags(c: argparse.ArgumentParser) -> None:
     c.add_argument("--system", default=None)
     add_sampling_flags(c)
+    _log_level_flag(c, "warning")
     EngineArgs.add_cli_args(c)
     c.set_defaults(fn=cmd_chat)
 
@@ -138,6 +148,7 @@ def _chat_flags(c: argparse.ArgumentParser) -> None:
 def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
+    _log_level_flag(s, "info")
     s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 and /debug")
     s.add_argument("--served-model-name", default=None)
     for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
@@ -213,12 +224,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("transformers", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else "").parse_args(argv)
     ns.argv = argv
+    # generate / chat print an answer: the engine's start-up lines only with --log-level info
+    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s",
+                        force=True)
+    for noisy in ("transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if getattr(ns, "model_arg", None) is not None:
+        if ns.model is not None and ns.model != ns.model_arg:
+            print(f"error: model given twice: {ns.model_arg!r} and --model {ns.model!r}", file=sys.stderr)
+            return 2
+        ns.model = ns.model_arg
     try:
         return 0 if runs_as_worker(ns) else ns.fn(ns)
     except ValueError as e:

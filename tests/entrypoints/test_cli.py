@@ -94,3 +94,18 @@ def test_subcommands_import_only_what_they_run():
     assert imported("simulate", "--help") == []
     assert set(imported("top", "--help")) <= {"rich", "httpx"}
     assert "numpy" not in imported("router", "--help")       # the router's own app (FastAPI), not the server's
+
+
+def test_generate_takes_the_model_positionally_and_is_quiet_by_default(capfd):
+    """`generate [MODEL] PROMPT` as `serve [MODEL]` (--model too); the answer alone on stdout and nothing
+    but warnings on stderr unless --log-level info asks for the engine's start-up lines."""
+    from pagedserve.model.loader import default_model_path
+    path = default_model_path()
+    assert main(["generate", path, "What is 2+2?", "--max-tokens", "4", "--num-kv-blocks", "64"]) == 0
+    out, err = capfd.readouterr()
+    assert out.strip() and "INFO" not in err
+    assert main(["generate", "Hi", "--model", path, "--max-tokens", "2", "--num-kv-blocks", "64",
+                 "--log-level", "info"]) == 0
+    assert "INFO pagedserve: memory plan" in capfd.readouterr().err
+    assert main(["generate", path, "Hi", "--model", "/elsewhere.gguf"]) == 2
+    assert "model given twice" in capfd.readouterr().err
