@@ -112,8 +112,26 @@ def _chat(eng, ns) -> int:
     return 0
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (None: it can), asked before the model loads: a busy port was
+    found only after the load (~25 s), and the process then exited 0."""
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def cmd_serve(ns) -> int:
     from pagedserve.entrypoints.server import run_server
+    busy = port_in_use(ns.host, ns.port)
+    if busy is not None:
+        print(f"error: --port {ns.port}: cannot listen on {ns.host}:{ns.port} ({busy}); choose another --port "
+              "or stop what holds it", file=sys.stderr)
+        return 1
     if ns.data_parallel_size != 1:
         from pagedserve.router.replicas import run_data_parallel
         return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])

@@ -109,3 +109,17 @@ def test_generate_takes_the_model_positionally_and_is_quiet_by_default(capfd):
     assert "INFO pagedserve: memory plan" in capfd.readouterr().err
     assert main(["generate", path, "Hi", "--model", "/elsewhere.gguf"]) == 2
     assert "model given twice" in capfd.readouterr().err
+
+
+def test_serve_on_a_busy_port_exits_1_before_loading(capsys):
+    """The port is checked before the model loads: in use -> exit 1 naming --port, at once."""
+    import socket
+    import time
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t = time.perf_counter()
+        assert main(["serve", "--port", str(port), "--num-kv-blocks", "64"]) == 1
+        assert time.perf_counter() - t < 5              # (not a timing claim: the load would take longer)
+    assert f"--port {port}" in capsys.readouterr().err
