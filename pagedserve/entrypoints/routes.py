@@ -1,6 +1,6 @@
 """The server's routes, one module-level function each: the service routes and the tokenizer
 endpoints here; /v1/completions in `completions.py`, /v1/chat/completions in `chat.py`, /v1/responses
-in `responses_api.py`. A request is
+in `responses_api.py`, Anthropic's /v1/messages in `messages.py`. A request is
 validated (400 naming the field), submitted to the AsyncLLMEngine, and answered from its
 RequestStream (`responses.py`): whole, or as SSE chunks."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from pagedserve.entrypoints import chat, completions, embeddings, responses_api
+from pagedserve.entrypoints import chat, completions, embeddings, messages, responses_api
 from pagedserve.entrypoints.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                              UnloadLoRAAdapterRequest, message_dict)
 from pagedserve.entrypoints.responses import state as _state
@@ -22,6 +22,7 @@ router = APIRouter()
 router.include_router(completions.router)
 router.include_router(chat.router)
 router.include_router(responses_api.router)
+router.include_router(messages.router)
 router.include_router(embeddings.router)
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI + uvicorn over AsyncLLMEngine.
 
 This module builds the app and owns its life: CORS, the request guard (body size, API key, draining),
-the mapping of every error to OpenAI's error JSON, graceful shutdown on SIGTERM and exit on a
-dead engine. The routes themselves are module-level functions in `routes.py`."""
+the mapping of every error to OpenAI's error JSON (Anthropic's on /v1/messages), graceful shutdown
+on SIGTERM and exit on a dead engine. The routes themselves are module-level functions in `routes.py`."""
 from __future__ import annotations
 
 import asyncio
@@ -53,25 +53,30 @@ class Guard:
 
     def __init__(self, app, state: ServerState, api_key: str | None, max_body_bytes: int):
         self.app, self.state, self.max_body_bytes = app, state, max_body_bytes
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.key = None if api_key is None else api_key.encode()
+
+    def _authorized(self, headers: dict) -> bool:
+        """OpenAI's `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`."""
+        return hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key) or \
+            hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope.get("headers") or [])
-        if self.expected is not None and path.startswith(self.PROTECTED) and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                  type_="authentication_error")
+        if self.key is not None and path.startswith(self.PROTECTED) and not self._authorized(headers):
+            resp = error_response(401, "missing or invalid API key (Authorization: Bearer ..., or x-api-key)",
+                                  type_="authentication_error", path=path)
             return await resp(scope, receive, send)
         if self.state.draining and path.startswith("/v1/") and scope["method"] == "POST":
             resp = error_response(503, "the server is shutting down; retry on another replica",
-                                  type_="server_shutting_down", headers={"Retry-After": "5"})
+                                  type_="server_shutting_down", headers={"Retry-After": "5"}, path=path)
             return await resp(scope, receive, send)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(receive)
             if body is None:
-                resp = error_response(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                resp = error_response(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                                      path=path)
                 return await resp(scope, receive, send)
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
@@ -108,38 +113,40 @@ def _replay(body: bytes, receive):
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, exc: RequestValidationError):
+    async def _validation(http: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         if err.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {err.get('msg', '')}")
+            return error_response(400, f"malformed JSON body: {err.get('msg', '')}", path=http.url.path)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # a union type adds the member's type name to the location: keep the field path only
         field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-"))) or None
         if err.get("type") == "extra_forbidden":
             return error_response(400, f"{field}: unknown field (pagedserve does not support it; the README lists "
-                                       f"the fields it accepts and ignores)", field)
-        return error_response(400, f"{field or 'body'}: {err.get('msg', 'invalid value')}", field)
+                                       f"the fields it accepts and ignores)", field, path=http.url.path)
+        return error_response(400, f"{field or 'body'}: {err.get('msg', 'invalid value')}", field,
+                              path=http.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
+    async def _http(http: Request, exc: StarletteHTTPException):
         status = exc.status_code if 400 <= exc.status_code < 500 else 400
-        return error_response(status, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(status, str(exc.detail), headers=getattr(exc, "headers", None), path=http.url.path)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_, exc: RequestError):
-        return error_response(exc.status, exc.message, exc.param, exc.type, code=exc.code)
+    async def _request_error(http: Request, exc: RequestError):
+        return error_response(exc.status, exc.message, exc.param, exc.type, code=exc.code, path=http.url.path)
 
     @app.exception_handler(ParamError)
-    async def _param(_, exc: ParamError):
-        return error_response(400, str(exc), exc.param, code=exc.code)
+    async def _param(http: Request, exc: ParamError):
+        return error_response(400, str(exc), exc.param, code=exc.code, path=http.url.path)
 
     @app.exception_handler(QueueFullError)
-    async def _full(_, exc: QueueFullError):
-        return error_response(503, str(exc), type_="server_overloaded", headers={"Retry-After": "1"})
+    async def _full(http: Request, exc: QueueFullError):
+        return error_response(503, str(exc), type_="server_overloaded", headers={"Retry-After": "1"},
+                              path=http.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_, exc: EngineDeadError):
-        return error_response(500, f"the engine is dead: {exc}", type_="engine_dead")
+    async def _dead(http: Request, exc: EngineDeadError):
+        return error_response(500, f"the engine is dead: {exc}", type_="engine_dead", path=http.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(http: Request, exc: Exception):
@@ -148,7 +155,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         error_id = f"err-{uuid.uuid4().hex[:12]}"
         log.error("unhandled error in %s %s (error id %s)", http.method, http.url.path, error_id,
                   exc_info=(type(exc), exc, exc.__traceback__))
-        return error_response(500, f"internal error (error id {error_id}): {type(exc).__name__}", type_="server_error")
+        return error_response(500, f"internal error (error id {error_id}): {type(exc).__name__}", type_="server_error",
+                              path=http.url.path)
 
 
 def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,

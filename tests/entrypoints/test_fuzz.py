@@ -1,6 +1,6 @@
 """Schemathesis against the server's own OpenAPI schema, over real HTTP: valid and invalid bodies
 for every operation, a bounded number of examples each. No response may be a 5xx; every 4xx
-carries OpenAI's error JSON."""
+carries OpenAI's error JSON (Anthropic's on /v1/messages)."""
 import collections
 
 import pytest
@@ -48,7 +48,10 @@ def test_no_5xx_and_errors_are_openai_json(base, case):
     r = case.call(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     EXAMPLES[f"{case.method} {case.path}"] += 1
     assert r.status_code < 500, (case.body, r.text[:300])
-    if r.status_code >= 400:
+    if r.status_code >= 400 and case.path.startswith("/v1/messages"):
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["message"] and body["error"]["type"]
+    elif r.status_code >= 400:
         err = r.json()["error"]
         assert err["message"] and err["code"] in (r.status_code, "context_length_exceeded") and "type" in err
 
@@ -58,3 +61,4 @@ def test_fuzzer_ran_enough_examples():
     print(f"\nfuzz examples: {sum(EXAMPLES.values())} {dict(EXAMPLES)}")
     assert EXAMPLES["POST /v1/completions"] >= 20 and EXAMPLES["POST /v1/chat/completions"] >= 20
     assert EXAMPLES["POST /v1/responses"] >= 20 and EXAMPLES["POST /v1/embeddings"] >= 20
+    assert EXAMPLES["POST /v1/messages"] >= 20 and EXAMPLES["POST /v1/messages/count_tokens"] >= 20
