@@ -53,8 +53,12 @@ def download(model: str, revision: str | None = None) -> str:
                          "(download it first, or unset HF_HUB_OFFLINE)") from None
     except HfHubHTTPError as e:
         raise ValueError(f"model {model!r}: the Hub answered {e}") from None
-    except OSError as e:              # no network, a broken cache
-        raise ValueError(f"model {model!r} could not be fetched from the Hub: {e}") from None
+    except ValueError:
+        raise
+    except Exception as e:            # no network (the HTTP client's own errors: httpx's are no OSError), a broken cache
+        raise ValueError(f"model {model!r} could not be fetched from the Hub ({type(e).__name__}: {e}): check the "
+                         "network, or use the Hub cache (HF_HUB_OFFLINE=1, HF_HOME), or give a local .gguf file or "
+                         "HF folder") from None
     ggufs = [p for p in patterns if p.endswith(".gguf")]
     return os.path.join(folder, ggufs[0]) if ggufs else folder
 

@@ -62,3 +62,24 @@ def test_the_engine_serves_a_hub_id(hub_cache):
     with LLM("test-org/tiny-qwen3", dtype="float32", num_kv_blocks=64) as llm:
         out = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_hub_unreachable_is_one_line_with_the_remedy(tmp_path, monkeypatch, capsys):
+    """No network: the HTTP client's own error (httpx's ConnectError is no OSError) becomes one line saying
+    what to do, and the CLI prints it and exits 2, without a traceback."""
+    from pagedserve.entrypoints.cli import main
+    from pagedserve.model import hub
+
+    class ConnectError(Exception):          # as httpx's: not an OSError
+        pass
+
+    def unreachable(repo, revision):
+        raise ConnectError("[Errno -2] Name or service not known")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "_remote_files", unreachable)
+    with pytest.raises(ModelLoadError, match=r"could not be fetched from the Hub \(ConnectError: .*HF_HUB_OFFLINE=1"):
+        resolve_model("some-org/some-model")
+    assert main(["generate", "some-org/some-model", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
