@@ -245,23 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else "").parse_args(argv)
     ns.argv = argv
-    # generate / chat print an answer: the engine's start-up lines only with --log-level info
-    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    if getattr(ns, "model_arg", None) is not None:
-        if ns.model is not None and ns.model != ns.model_arg:
-            print(f"error: model given twice: {ns.model_arg!r} and --model {ns.model!r}", file=sys.stderr)
-            return 2
-        ns.model = ns.model_arg
+    # generate / chat print an answer: the engine's start-up lines only with --log-level info (the level is
+    # the command's: put back when main returns, for callers in the same process)
+    ours = logging.getLogger("pagedserve")
+    before = ours.level
+    ours.setLevel(getattr(ns, "log_level", "info").upper())
     try:
+        if getattr(ns, "model_arg", None) is not None:
+            if ns.model is not None and ns.model != ns.model_arg:
+                print(f"error: model given twice: {ns.model_arg!r} and --model {ns.model!r}", file=sys.stderr)
+                return 2
+            ns.model = ns.model_arg
         return 0 if runs_as_worker(ns) else ns.fn(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:                   # how one leaves `top` and `chat`; an interrupted command: 130
         return 0 if ns.cmd in ("top", "chat") else 130
+    finally:
+        ours.setLevel(before)
 
 
 if __name__ == "__main__":

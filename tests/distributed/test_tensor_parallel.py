@@ -178,7 +178,7 @@ def test_ray_backend_passes_the_same_check(small_llama):
 def test_torchrun_external_launcher_matches_one_rank(small_llama):
     """Every rank runs the same command under torchrun (env:// rendezvous); rank 0 prints."""
     cli = ["-m", "pagedserve.entrypoints.cli", "generate", "The paged cache", "--raw", "--max-tokens", "12",
-           "--model", small_llama, "--dtype", "float32", "--num-kv-blocks", "64"]
+           "--log-level", "info", "--model", small_llama, "--dtype", "float32", "--num-kv-blocks", "64"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, *cli], capture_output=True, text=True, timeout=120, env=env)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
