@@ -117,24 +117,24 @@ class ServerMetrics:
             self._class_gauges(engine.scheduler)
         for out in outputs:
             # a stream's outputs are deltas (every step), any other request's one output at its end: so
-            # each choice's tokens are counted as they arrive, and a gap is timed whenever a choice grows
-            seen = self._tok_seen.get(out.request_id)
+            # each choice's tokens are counted as they arrive (an entry from its first token on), and a gap
+            # is timed whenever a choice grows
+            counts = self._tok_seen.get(out.request_id)
             m = out.metrics
             klass = classes[m.traffic_class] if classes is not None and m is not None else None
-            if not any(c for c, _ in seen or ()) and any(o.token_ids for o in out.outputs) and m is not None \
-                    and m.first_token_time is not None:
-                samples.ttft.append(m.first_token_time - m.arrival_time)
-                self.ttft.observe(samples.ttft[-1])
-                if klass is not None:
-                    self.class_ttft.labels(traffic_class=klass.name).observe(samples.ttft[-1])
-                if m.first_scheduled_time is not None:
-                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
-            counts = list(seen) if seen is not None else [(0, None)] * len(out.outputs)
-            counts += [(0, None)] * (len(out.outputs) - len(counts))
-            for o in out.outputs:
-                n, last = counts[o.index]
+            if counts is None and any(o.token_ids for o in out.outputs):
+                counts = self._tok_seen[out.request_id] = [(0, None)] * len(out.outputs)
+                if m is not None and m.first_token_time is not None:
+                    samples.ttft.append(m.first_token_time - m.arrival_time)
+                    self.ttft.observe(samples.ttft[-1])
+                    if klass is not None:
+                        self.class_ttft.labels(traffic_class=klass.name).observe(samples.ttft[-1])
+                    if m.first_scheduled_time is not None:
+                        self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            for o in out.outputs if counts is not None else ():
                 if not o.token_ids:
                     continue
+                n, last = counts[o.index]
                 if last is not None:
                     samples.itl.append(now - last)
                     self.itl.observe(samples.itl[-1])
@@ -143,13 +143,12 @@ class ServerMetrics:
                         self._worst_itl[out.request_id] = max(self._worst_itl.get(out.request_id, 0.0),
                                                               samples.itl[-1])
                 counts[o.index] = (n + len(o.token_ids), now)
-            self._tok_seen[out.request_id] = counts
             if out.finished:
                 self._tok_seen.pop(out.request_id, None)
                 worst = self._worst_itl.pop(out.request_id, 0.0)
                 if klass is not None:
                     self._class_finish(klass, m, worst)
-                samples.tpot += self.finish(out, [c for c, _ in counts])
+                samples.tpot += self.finish(out, None if counts is None else [c for c, _ in counts])
         return samples
 
     def _class_gauges(self, sch) -> None:

@@ -204,6 +204,11 @@ class PackedWeight(Packed):
                             None if self.dense is None else self.dense[perm])
 
 
+def _by_rows(rewrite, data: torch.Tensor, rows: int) -> torch.Tensor:
+    """A row-wise rewrite of (N, row bytes) done `rows` at a time, so its temporaries stay small."""
+    return torch.cat([rewrite(data[i:i + rows]) for i in range(0, data.shape[0], rows)])
+
+
 def _fits_5_bits(data: torch.Tensor, K: int) -> bool:
     """Whether every quant of these Q8_0 rows lies in [-16, 15] (Q5_0's range)."""
     q = data.view(data.shape[0], K // 32, 34)[..., 2:].view(torch.int8)
@@ -214,10 +219,9 @@ def _interleave_q5_0(data: torch.Tensor, K: int) -> torch.Tensor:
     """Q8_0 rows whose quants fit 5 bits as Q5_0x8 (qmatmul.c): per 8 rows and 32-block, d x 8, the Q5_0
     nibbles in Q4_0x8's chunks (lane c: row c's bytes 4h .. 4h+3; low nibble input i, high nibble 16 + i),
     then each row's 32 fifth bits as a u32 (bit i: input i), of q + 16 in 0..31. 22 bytes a block, as the file's."""
+    if data.shape[0] > (rows := max(8, (1 << 21) // K // 8 * 8)):     # whole groups of 8, a slice at a time
+        return _by_rows(lambda d: _interleave_q5_0(d, K), data, rows)
     N, nb = data.shape[0], K // 32
-    rows = max(8, (1 << 21) // K // 8 * 8)
-    if N > rows:
-        return torch.cat([_interleave_q5_0(data[i:i + rows], K) for i in range(0, N, rows)])
     b, G = data.view(N, nb, 34), N // 8
     u = b[..., 2:].view(torch.int8).to(torch.int64) + 16                        # (N, nb, 32) in 0..31
     qs = ((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).to(torch.uint8)       # (N, nb, 16)
@@ -332,11 +336,11 @@ class PackedParts(Packed):
 def stack_rows(parts: list[PackedWeight]) -> Packed:
     """Fused projections (q|k|v, gate|up): one PackedWeight where the parts share a format, else the
     runs of one format each stacked (PackedParts)."""
-    def kind(p: PackedWeight) -> tuple:      # a Q5_0 file's rows (Q8_0 after as_q8_0) apart from wider Q8_0 ones:
-        return p.fmt, p.fmt == "Q8_0" and _fits_5_bits(p.data, p.K)         # they regroup denser (interleave)
+    # a Q5_0 file's rows (Q8_0 after as_q8_0) apart from wider Q8_0 ones: they regroup denser (interleave)
+    kinds = [(p.fmt, p.fmt == "Q8_0" and _fits_5_bits(p.data, p.K)) for p in parts]
     runs: list[list[PackedWeight]] = []
-    for p in parts:
-        if runs and kind(runs[-1][0]) == kind(p):
+    for i, p in enumerate(parts):
+        if i and kinds[i] == kinds[i - 1]:
             runs[-1].append(p)
         else:
             runs.append([p])
@@ -355,10 +359,9 @@ def as_q8_0(fmt: str, data: torch.Tensor, K: int) -> torch.Tensor:
     """(N, row bytes) of Q5_0 (f16 d, u32 high bits, 16 bytes of nibbles: w = d (q - 16)) or IQ4_NL (f16 d,
     16 bytes of nibble indices: w = d table[q]) blocks -> the same values as Q8_0 blocks (f16 d, 32 x int8).
     Nibble j holds element j (low half) and element j + 16 (high half), as ggml lays them."""
+    if data.shape[0] > (rows := max(1, (1 << 22) // K)):     # the widened temporaries: ~16 bytes a weight
+        return _by_rows(lambda d: as_q8_0(fmt, d, K), data, rows)
     N, nb = data.shape[0], K // 32
-    rows = max(1, (1 << 22) // K)          # a slice at a time: the widened temporaries are ~16 bytes a weight
-    if N > rows:
-        return torch.cat([as_q8_0(fmt, data[i:i + rows], K) for i in range(0, N, rows)])
     bb = {"Q5_0": 22, "IQ4_NL": 18}[fmt]
     b = data.reshape(N, nb, bb)
     d, qs = b[..., :2], b[..., bb - 16:].to(torch.int16)
