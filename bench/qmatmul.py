@@ -1,5 +1,5 @@
 """The packed-weight kernels alone: one token's worth of the model's matrices (cold: each read once,
-as in decode), each matrix in cache (hot), and the crossover against dequantize + torch GEMM; for
+as in decode) and each matrix in cache (hot) (bench/packed_rows.py: against the dense path); for
 float32 activations (qmatmul) and int8-rounded ones (qmatmul_q8, the bf16 path) side by side, the latter
 on the file's rows and on rows interleaved in groups of 8 (what a load with int8 activations makes of
 them: PackedWeight.interleave).
@@ -34,7 +34,6 @@ def main():
     from pagedserve import kernels
     from pagedserve.host import cpu_info
     from pagedserve.model.loader import load_model, resolve_model
-    from pagedserve.model.quant import measure_crossover
     dtype = getattr(torch, a.dtype)
     model, _ = load_model(resolve_model(None), dtype, "cpu", a.quantization)
     print(f"host: {cpu_info()[0]}; kernels {kernels.load(source='qmatmul').qmatmul_isa().decode()}; "
@@ -68,9 +67,6 @@ def main():
             per_block = dt / (w.shape[0] * blocks_per_row[w.K]) * torch.get_num_threads()
             print(f"  {n:13s} {str(tuple(w.shape)):13s} hot: {1e6 * dt:7.1f} us, {1e9 * per_block:.2f} ns per 32 "
                   f"weights per thread")
-    probe = model.layers[0].gate_up_proj.weight
-    print("crossover (one weight on repeat):", measure_crossover(probe, dtype)[1])
-    print("crossover (every product in turn, as at load):", measure_crossover(ws, dtype)[1])
 
 
 if __name__ == "__main__":

@@ -110,6 +110,10 @@ class EngineArgs:
         "on one CPU rank unless --dtype float32; dense otherwise; logged with its reason) | none (dense in "
         "--dtype) | gguf (keep only the packed matrices: the least memory) | int8 (quantize every matrix per "
         "output channel at load)"))
+    packed_rows: int | None = field(default=None, metadata=_h(
+        "decode rows of a step up to which packed weights take the product (1..256; default: the host kind's "
+        "table, logged at load). Steps carrying prompt rows take the dense copy at any size; no timing "
+        "decides either, so every start computes the same numbers"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
@@ -196,6 +200,9 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.quantization not in ("none", "auto"):
             bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
                                         "sharded)")
+        if self.packed_rows is not None and (not isinstance(self.packed_rows, int) or isinstance(self.packed_rows, bool)
+                                             or not 1 <= self.packed_rows <= 256):
+            bad("packed_rows", "must be an integer in 1..256 or None")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -78,7 +78,7 @@ class EngineCore:
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
-                                                   dense_copy)
+                                                   dense_copy, args.packed_rows)
         self.tokenizer = load_tokenizer(self.source)
         self.model_pooling = read_pooling_config(self.source)     # how embedding requests pool by default
         cfg = self.model_config

@@ -27,19 +27,20 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded, pads_rows, warm
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, cached_crossover
+from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, packed_rows
 from pagedserve.model.rope import rope_tables
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False,
+           prompt: bool = False) -> torch.Tensor:
     """x @ w.T. With `transposed`, batches of 2..128 rows are computed as (w @ x.T).T: MKL runs that
     up to 3x faster than F.linear on some CPUs (AMD EPYC: 3 rows x the 49152-row LM head, 10 ms vs
     31 ms) and 2-3x slower on others (Intel Xeon with AVX-512), so LlamaForCausalLM.choose_gemm_form()
     measures both on the model's own weights when it is loaded. A PackedWeight (--quantization)
-    multiplies itself. Rows are padded to a bucket where the GEMM library keeps state per shape
+    multiplies itself (`prompt`: the step carries prompt rows, see Packed.matmul). Rows are padded to a bucket where the GEMM library keeps state per shape
     (pagedserve.model.gemm)."""
     if isinstance(w, Packed):
-        return w.matmul(x, b)
+        return w.matmul(x, b, prompt)
     if not transposed or not 2 <= x.shape[0] <= 128 or x.device.type != "cpu":
         return gemm(x, w, b)
     y = (w @ padded(x).t()).t()[: x.shape[0]].contiguous()
@@ -143,9 +144,9 @@ class DecoderLayer(nn.Module):
         """`lora`: the step's adapters (model/lora.py), added to each adapted product's output."""
         if self.ops is not None and not md.triton:
             return self._forward_native(x, rope, kv, md, lora)
-        T, tr, nh, i = x.shape[0], self.transposed, self.n_heads, self.index
+        T, tr, nh, i, pr = x.shape[0], self.transposed, self.n_heads, self.index, md.num_prefills > 0
         h = rms_norm(x, self.attn_norm, self.eps)
-        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr), h, i, "qkv")
+        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr, pr), h, i, "qkv")
         n_qk = nh + self.n_kv
         qk = qkv[:, : n_qk * self.hd].view(T, n_qk, self.hd)
         if self.q_norm is not None:
@@ -156,31 +157,32 @@ class DecoderLayer(nn.Module):
         v = qkv[:, n_qk * self.hd:].view(T, self.n_kv, self.hd)
         write_kv(kv, k, v, md.slot_mapping, md.triton)
         o = paged_attention(q, kv, md, self.scale, self.window, self.softcap).reshape(T, -1)
-        x = self._add(x, self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr), o, i,
-                                                     "o")), self.post_attn_norm)
+        x = self._add(x, self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr, pr), o,
+                                                     i, "o")), self.post_attn_norm)
         h = rms_norm(x, self.mlp_norm, self.eps)
         if self.moe is not None:
             return self._add(x, self.moe(h), self.post_mlp_norm)
-        gate, up = _adapted(lora, linear(h, self.gate_up_proj.weight, None, tr), h, i, "gate_up").chunk(2, dim=-1)
+        gate, up = _adapted(lora, linear(h, self.gate_up_proj.weight, None, tr, pr), h, i, "gate_up").chunk(2, dim=-1)
         a = self.act(gate) * up
-        return self._add(x, self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr), a, i,
+        return self._add(x, self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr, pr), a, i,
                                                         "down")), self.post_mlp_norm)
 
     def _forward_native(self, x, rope, kv: LayerKV, md: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
         """forward() with the work between the products in one native call each (kernels/layer_ops.c):
         the same float32 arithmetic, ~6 calls a layer where torch dispatches ~25 ops."""
-        T, tr, ops, i = x.shape[0], self.transposed, self.ops, self.index
+        T, tr, ops, i, pr = x.shape[0], self.transposed, self.ops, self.index, md.num_prefills > 0
         x = x.contiguous()
         _, h = kernels.add_rms_norm(x, self.attn_norm, self.eps, lib=ops)
-        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr), h, i, "qkv")
+        qkv = _adapted(lora, linear(h, self.qkv_proj.weight, self.qkv_proj.bias, tr, pr), h, i, "qkv")
         q = kernels.rope_kv(qkv, *(rope or (None, None)), kv.k, kv.v, kv.k_scale, kv.v_scale, md.slot_mapping,
                             self.n_heads, self.n_kv, self.hd, lib=ops)
         o = paged_attention(q, kv, md, self.scale, self.window).view(T, -1)
-        y = self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr), o, i, "o")).contiguous()
+        y = self.tp.all_reduce(_adapted(lora, linear(o, self.o_proj.weight, self.o_proj.bias, tr, pr), o, i,
+                                        "o")).contiguous()
         x, h = kernels.add_rms_norm(x, self.mlp_norm, self.eps, y if self.residual_scale == 1.0 else
                                     y * self.residual_scale, lib=ops)
-        a = kernels.silu_mul(_adapted(lora, linear(h, self.gate_up_proj.weight, None, tr), h, i, "gate_up"), lib=ops)
-        d = self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr), a, i, "down"))
+        a = kernels.silu_mul(_adapted(lora, linear(h, self.gate_up_proj.weight, None, tr, pr), h, i, "gate_up"), lib=ops)
+        d = self.tp.all_reduce(_adapted(lora, linear(a, self.down_proj.weight, None, tr, pr), a, i, "down"))
         return x.add_(d if self.residual_scale == 1.0 else d * self.residual_scale)
 
     def _add(self, x: torch.Tensor, branch: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
@@ -261,11 +263,12 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's matrix: the embedding's when tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits (rows, vocab); under tensor parallelism on rank 0 only (None elsewhere)."""
+    def compute_logits(self, hidden: torch.Tensor, prompt: bool = False) -> torch.Tensor | None:
+        """Float32 logits (rows, vocab); under tensor parallelism on rank 0 only (None elsewhere).
+        `prompt`: the rows come from a step that carries prompt rows (see Packed.matmul)."""
         h = self.final_norm(hidden)
         w = self.head_weight
-        logits = self.tp.gather_columns(linear(h, w, None, self.transposed).float())
+        logits = self.tp.gather_columns(linear(h, w, None, self.transposed, prompt).float())
         if logits is None:
             return None
         logits = logits[:, :self.cfg.vocab_size]
@@ -312,19 +315,19 @@ class LlamaForCausalLM(nn.Module):
                 f"products, native glue in float32{'' if self.norm.dtype == torch.float32 else ', the residual stream too'})")
 
     @torch.inference_mode()
-    def choose_gemm_form(self, int8_act: bool = False, cache: str | None = None) -> str:
+    def choose_gemm_form(self, int8_act: bool = False, packed_rows: int | None = None) -> str:
         """Time F.linear against (w @ x.T).T on this model's MLP and LM-head weights at 8 and 64 rows;
         the transposed form is kept for batches of 2..128 rows only when it is clearly faster (1.5x:
         where the two are close, run-to-run noise must not flip the numerics between runs).
-        PAGEDSERVE_SMALL_M_GEMM=linear|transposed decides instead. Packed weights: their crossover
-        (cached in `cache`, a folder, when given). Returns the line logged at load."""
+        PAGEDSERVE_SMALL_M_GEMM=linear|transposed decides instead. Packed weights: the rows they take
+        (_set_packed_rows; `packed_rows` pins them). Returns the line logged at load."""
         forced = os.environ.get("PAGEDSERVE_SMALL_M_GEMM")
         if forced not in (None, "linear", "transposed"):
             raise ValueError(f"PAGEDSERVE_SMALL_M_GEMM must be linear or transposed, got {forced!r}")
         head = self.head_weight
         packed = any(isinstance(m.weight, Packed) for layer in self.layers for m in layer.products()) or \
             isinstance(head, Packed)
-        lines = [self._choose_packed_crossover(head, int8_act, cache)] if packed else []
+        lines = [self._set_packed_rows(head, int8_act, packed_rows)] if packed else []
         probes = self._dense_probes()
         if not probes:
             return "; ".join(lines)
@@ -364,9 +367,10 @@ class LlamaForCausalLM(nn.Module):
         products = []
 
         def add(w, b, transposed: bool, last: int) -> None:
-            if isinstance(w, Packed):            # packed up to small_m rows (no GEMM); above: its many-row path
+            if isinstance(w, Packed):   # packed up to small_m decode rows; prompt steps and more rows: many-row path
                 key = ("packed", w.fmt, w.shape, None if w.dense is None else w.dense.dtype, b is None)
-                products.append((key, lambda x: w.matmul(x, b), w.K, dtype, w.small_m, last))
+                copy = w.dense is not None
+                products.append((key, lambda x: w.matmul(x, b, prompt=copy), w.K, dtype, 0 if copy else w.small_m, last))
             else:
                 key = ("dense", tuple(w.shape), w.stride(), w.dtype, b is None, transposed)
                 products.append((key, lambda x: linear(x, w, b, transposed), w.shape[1], dtype, 0, last))
@@ -376,24 +380,24 @@ class LlamaForCausalLM(nn.Module):
         add(self.head_weight, None, self.transposed, head_rows)
         return "GEMM shapes: " + warm(products)
 
-    def _choose_packed_crossover(self, head, int8_act: bool, cache: str | None = None) -> str:
-        """Packed weights: up to how many rows qmatmul (qmatmul_q8 with `int8_act`) beats dequantize + GEMM,
-        measured per shape: the layers' products timed in turn as a step reads them (measure_crossover),
-        the LM head on its own."""
+    def _set_packed_rows(self, head, int8_act: bool, forced: int | None = None) -> str:
+        """Packed weights: their activations (int8-rounded or float), the 8-row interleave for int8, and the
+        decode rows up to which qmatmul takes them (quant.packed_rows: the host kind's table, or pinned)."""
         layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, Packed)]
+        rows, head_rows, why = packed_rows(int8_act, forced)
         lines = []
-        for name, ws in (("layers", layer_ws), ("LM head", [head] if isinstance(head, Packed) else [])):
-            if not ws:
-                continue
+        for name, ws, m in (("layers", layer_ws, rows), ("LM head", [head] if isinstance(head, Packed) else [], head_rows)):
             for w in ws:
-                w.int8_act = int8_act
+                w.int8_act, w.small_m = int8_act, m
                 if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
                     w.interleave()
-            m, line = cached_crossover(ws, self.norm.dtype, cache)
-            lines.append(f"{name}: {line}")
-            for w in ws:
-                w.small_m = m
-        return "packed GEMMs: " + "; ".join(lines)
+            if ws:
+                lines.append(f"{name} up to {m} decode rows")
+        kernel = f"qmatmul_q8 ({kernels.load(source='qmatmul').qmatmul_q8_isa().decode()})" if int8_act else "qmatmul"
+        copies = any(w.dense is not None for w in layer_ws + [head] if isinstance(w, Packed))
+        return (f"packed kernels: {kernel} for {', '.join(lines)} ({why}); "
+                f"{'prompt steps and ' if copies else ''}more rows: "
+                f"{'the dense copies' if copies else 'dequantized tiles'}")
 
 
 class FusedDecode:
@@ -403,8 +407,9 @@ class FusedDecode:
     one-row step outside the weight reads; ~10 ms of a 100-token bf16 prefill's torch glue). Taken by
     steps up to the rows the packed products are used for (Packed.small_m): decode rows (with LoRA
     rows in a float32 model too: their deltas added in C after each product, close to LoRABatch.add, not
-    bit for bit) and prefill chunks where the layers' prefill attention is the native kernel too (the
-    chunks' rows after the decode rows, as AttentionMetadata orders them); the layer path runs otherwise.
+    bit for bit) and, where the weights have no dense copies (a prompt step takes those: Packed.matmul),
+    prefill chunks whose prefill attention is the native kernel too (the chunks' rows after the decode
+    rows, as AttentionMetadata orders them); the layer path runs otherwise.
     In a bfloat16 / float16 model (whose layers take the torch glue) the step's residual stream, norms
     and RoPE are float32 here (the products round their input to int8 anyway; the K/V cache keeps its
     dtype): more precise than the layer path, held like it to the closeness rule.
@@ -428,8 +433,6 @@ class FusedDecode:
             return "dense weights: the products are the GEMM library's"
         if len({w.int8_act for w in weights}) != 1:
             return "the packed products differ in kind"
-        if min(w.small_m for w in weights) < 1:
-            return "the dense copies are faster at every row count"
         if len(set(model.rope_keys)) != 1:
             return "layers rotate with different RoPE tables"
         if any(kernels.load(source=src) is None for src in ("paged_attention", "qmatmul", "layer_ops")):
@@ -445,7 +448,9 @@ class FusedDecode:
         self.dtype = model.norm.dtype
         self.keep = []              # the norms and biases in float32 (copies, in a half-precision model)
         w0 = first.qkv_proj.weight
-        self.max_rows = min(getattr(layer, f"{p}_proj").weight.small_m for layer in layers for p in self.PRODUCTS)
+        weights = [getattr(layer, f"{p}_proj").weight for layer in layers for p in self.PRODUCTS]
+        self.max_rows = min(w.small_m for w in weights)
+        self.prompts = not any(w.dense is not None for w in weights)   # prompt steps too (none go to dense copies)
         self.rope = None if model.rope_keys[0] is None else model.ropes[model.rope_keys[0]]
         qmm = kernels.load(source="qmatmul")
         self.structs = (kernels.DecodeLayer * len(layers))()
@@ -494,12 +499,12 @@ class FusedDecode:
 
     def takes(self, x: torch.Tensor, md, lora: LoRABatch | None) -> bool:
         """Steps of up to max_rows rows whose attention the native kernels read: decode rows (with LoRA
-        slots in float32 too) and, where the native prefill kernel is the layer path's (md.native_prefill),
-        prefill chunks (without LoRA)."""
+        slots in float32 too) and, where the weights have no dense copies and the native prefill kernel is
+        the layer path's (md.native_prefill), prefill chunks (without LoRA)."""
         if not (isinstance(md, AttentionMetadata) and md.native and x.shape[0] <= self.max_rows):
             return False
         if md.num_prefills:
-            return md.native_prefill and lora is None
+            return self.prompts and md.native_prefill and lora is None
         return md.num_decodes == x.shape[0] and (lora is None or (
             not lora.segments and len(lora.decode_slots) == x.shape[0] and lora.slots.dtype == torch.float32))
 

@@ -132,15 +132,17 @@ def held_for_the_process(device: str) -> bool:
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
                quantization: str = "none", tp: TPGroup | None = None,
-               int8_act: bool = False, dense_copy: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+               int8_act: bool = False, dense_copy: bool = False,
+               packed_rows: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Weights are read-only at inference (the KV cache lives in the runner), so engines in one
-    process share one loaded copy per (file, dtype, device, quantization, int8_act, dense_copy).
+    process share one loaded copy per (file, dtype, device, quantization, int8_act, dense_copy, packed_rows).
     quantization: none (dense in `dtype`) | gguf (the file's quantized tensors stay packed) | int8
     (every linear weight quantized per output channel at load).
     int8_act: few-row products with packed weights round their activations to int8 blocks
     (pagedserve.model.quant.int8_activations decides it from the --dtype asked for).
     dense_copy: packed weights also keep a dense copy in `dtype` for many-row products, where it fits
     (--quantization auto: pagedserve.model.quant.choose_quantization).
+    packed_rows: pins the decode rows packed products take (default: quant.packed_rows' table).
     tp: this rank's tensor-parallel group; the model is built with this rank's slices only (never
     shared: it holds the group's collectives)."""
     if quantization not in QUANTIZATIONS:
@@ -156,11 +158,12 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {src.path} is an HF "
                          "folder; use quantization int8 or none")
     st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy, packed_rows)
     held, cfg = _LOADED.get(key, (None, None))
     model = held() if isinstance(held, weakref.ref) else held
     if model is None:
-        model, cfg = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy)
+        model, cfg = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy,
+                                 packed_rows=packed_rows)
         _LOADED[key] = (model if held_for_the_process(device) else weakref.ref(model), cfg)
     return model, copy.copy(cfg)
 
@@ -175,8 +178,8 @@ def cache_dir(path: str, kind: str) -> str:
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
-                tp: TPGroup | None = None, int8_act: bool = False,
-                dense_copy: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+                tp: TPGroup | None = None, int8_act: bool = False, dense_copy: bool = False,
+                packed_rows: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     if quantization == "gguf":
         cfg, weights = _read_gguf(src.path, dtype, packed=True)
     else:
@@ -204,7 +207,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     if dense_copy:
         log.info("%s", add_dense_copies(model, dtype))
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
-    log.info("%s", model.choose_gemm_form(int8_act, cache_dir(src.path, "crossover") if quantization == "gguf" else None))
+    log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
     log.info("%s", model.choose_layer_path())
     log.info("%s", model.choose_decode_path())
     return model, cfg

@@ -4,13 +4,14 @@ A PackedWeight is N rows (output channels) of K inputs, each row a run of quanti
 the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, read as they lie in the file) or our
 per-channel int8 (`quantize_int8`, one float32 scale per row). pagedserve/kernels/qmatmul.c
 multiplies few-row batches straight from the blocks (decode: the weight bytes are the cost, and
-Q4_1 is ~5 bits a weight against 32); batches of more rows than the measured crossover are
-dequantized into the compute dtype and handed to torch's GEMM (AMX / AVX512-BF16 where present).
+Q4_1 is ~5 bits a weight against 32); steps of more decode rows than the host kind's table says
+(`packed_rows`), and every step carrying prompt rows, take the dense copy (or dequantized tiles)
+and torch's GEMM (AMX / AVX512-BF16 where present).
 
 `--quantization auto` (the default) keeps a GGUF file's blocks packed for the few-row products, beside
 a dense copy in the compute dtype for the many-row ones (`PackedWeight.dense`, where it fits in memory;
-`choose_quantization` says when and why): each step takes the faster of the two at its row count, as
-measured at load. `--quantization gguf` keeps only the blocks (1/5 of the memory; many-row products
+`choose_quantization` says when and why): prompts always through the copy, generated tokens packed up
+to the host kind's row count — a function of the step, never of a timing, so every start answers alike. `--quantization gguf` keeps only the blocks (1/5 of the memory; many-row products
 dequantize a tile at a time).
 
 Few-row products round the activations to int8 per 32 values (GGUF's Q8 blocks, as llama.cpp does)
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,20 +49,20 @@ GROUPED = frozenset(INTERLEAVED.values()) | {"Q5_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
-SMALL_M_MAX = 256         # the crossover is searched up to here (a prefill chunk's rows too); above it the dense
-                          # path (AVX512-VNNI without AMX: a 128-token prefill 1.19x faster packed, 256 even)
+MAX_PACKED_ROWS = 256     # the most decode rows a packed product takes (the fused decode call's scratch too)
 
 
 class Packed:
-    """What a packed product is to the model (PackedLinear, FusedDecode, the crossover): one matrix's
-    rows as the qmatmul kernels read them, up to small_m rows of x in-register, dense above."""
+    """What a packed product is to the model (PackedLinear, FusedDecode): one matrix's rows as the qmatmul
+    kernels read them, up to small_m rows of x in-register, dense above."""
 
     __slots__ = ()
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or
-        dequantized tiles above."""
-        if x.shape[0] > self.small_m:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, prompt: bool = False) -> torch.Tensor:
+        """x (M, K) @ W.T -> (M, N) in x's dtype: packed up to small_m rows, the dense copy or dequantized
+        tiles above. `prompt` (the step carries prompt rows): the dense copy at any row count where there is
+        one, so a prompt is read by the same arithmetic whatever its length or company."""
+        if x.shape[0] > self.small_m or (prompt and self.dense is not None):
             return self._many_rows(x, bias)
         y = self._qmatmul(x, self.int8_act)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
@@ -86,7 +86,7 @@ class PackedWeight(Packed):
     fmt: str                    # a key of FORMATS
     data: torch.Tensor          # (N, row_bytes) uint8
     K: int                      # inputs per row
-    small_m: int = 8            # rows of x up to which qmatmul beats dequantize + GEMM (measured at load)
+    small_m: int = 8            # decode rows up to which qmatmul takes the product (packed_rows, at load)
     int8_act: bool = False      # few-row products round x to int8 blocks (set at load: int8_activations)
     dense: torch.Tensor | None = None   # (N, K) in the compute dtype for many-row products (--quantization auto)
 
@@ -462,101 +462,38 @@ def _lib():
     return lib
 
 
-COLD_BYTES = 256 * 2**20  # measure_crossover times weights in turn until this much is read: past any L3
-PACKED_MARGIN = 1.25      # ... and keeps the packed kernel at a row count unless the dense path is this much faster
+# Decode rows up to which the packed kernels take a product, by the host's kind (no timing at load: a timed
+# crossover moved between processes — 4, 32 and 256 rows on one host — and with it every answer). Keyed by
+# the int8 kernels' ISA and whether bf16 GEMMs run on AMX tiles; (layers, LM head). bench/packed_rows.py
+# measures both sides per product on a host, which is how the rows below were read (BENCHMARKS.md).
+PACKED_ROWS = {
+    ("vnni512", True): (32, 1),     # Intel with AMX: the dense copy's bf16 GEMM wins from ~32 rows (head: ~2)
+    ("vnni512", False): (128, 16),  # AMD Zen 4 (AVX512-VNNI/BF16): packed level with dense to ~256 (SmolLM2)
+    ("avxvnni", False): (64, 8),
+    ("avx2", False): (64, 8),       # the dense side is float32 there (no bf16 GEMM): packed wins longer
+}
+PACKED_ROWS_OTHER = (8, 1)          # scalar kernels, or an ISA not in the table
+PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with packed weights): FMA kernels
 
 
-@torch.inference_mode()
-def measure_crossover(ws: Packed | Sequence[Packed], dtype: torch.dtype) -> tuple[int, str]:
-    """The largest batch (rows of x) for which qmatmul on `ws` is faster than the many-row path (the
-    dense copy's GEMM, or dequantize + F.linear) in `dtype`, on this host, measured at 1, 2, 4, ...
-    SMALL_M_MAX rows. Returns it and a line to log. With a dense copy it may be 0 (dense at every
-    row count); without one it is at least 1.
-    The weights (all of one kind: with or without dense copies, the same int8_act) are timed in turn,
-    as a step meets a model's layers: each product reads its weight from memory. Timing one weight on
-    repeat keeps it in the cache, where the dense copy (2-4x the bytes) loses less than in a step
-    (measured by bench/crossover_cold.py: 8 rows 0.13/0.10 ms on repeat, 0.13/0.17 ms in turn, so a
-    warm probe put the crossover at 4 rows where it is 8). Only the first weights up to COLD_BYTES of
-    packed data are timed (a bigger model's rest would only make the load slower).
-    Where the two are within PACKED_MARGIN the packed kernel is kept: run-to-run noise must not move
-    the crossover between processes (stop 41 saw it flip between 2 and 8 rows), and the packed kernels
-    compute each row alone, so a speculative step's verification rows get the numbers a one-row decode
-    step would (greedy outputs identical with and without drafts in bfloat16 too)."""
-    ws = [ws] if isinstance(ws, Packed) else list(ws)
-    kinds = {(w.dense is not None, w.int8_act) for w in ws}
-    if not ws or len(kinds) != 1:
-        raise ValueError(f"measure_crossover needs weights of one kind, got {len(ws)} of kinds {sorted(kinds)}")
-    timed, nbytes = [], 0
-    for w in ws:
-        timed.append(w)
-        nbytes += w.packed_bytes
-        if nbytes >= COLD_BYTES:
-            break
-    times = {}
-    m, best = 1, 0
-    while m <= SMALL_M_MAX:
-        xs = {w.K: torch.randn(m, w.K).to(dtype) for w in timed}
-        t = []
-        for run in (lambda w, x: w._qmatmul(x, w.int8_act), lambda w, x: w._many_rows(x, None)):
-            best_s = float("inf")
-            for i in range(4 if m <= 64 else 2):   # a warm-up pass, then the fastest of 3 (of 1 at many rows,
-                                                   # where a pass is long): a busy neighbour only adds
-                t0 = time.perf_counter()
-                for w in timed:
-                    run(w, xs[w.K])
-                if i:
-                    best_s = min(best_s, time.perf_counter() - t0)
-            t.append(best_s / len(timed))
-        times[m] = t
-        if t[0] <= PACKED_MARGIN * t[1]:
-            best = m
-        elif m > 8:
-            break
-        m *= 2
-    shown = ", ".join(f"{m}: {1e3 * a:.3f}/{1e3 * b:.3f} ms" for m, (a, b) in times.items())
-    w = ws[0]
-    kernel = f"qmatmul_q8 ({_lib().qmatmul_q8_isa().decode()})" if w.int8_act else "qmatmul"
-    other = "dense copy GEMM" if w.dense is not None else "dequantize+GEMM"
-    best = best if w.dense is not None else max(best, 1)
-    head = f"packed up to {best} rows" if best else "dense at every row count"
-    return best, f"{head} ({kernel}/{other} per product, {len(timed)} weights in turn, at {shown})"
-
-
-def cached_crossover(ws: Sequence[Packed], dtype: torch.dtype, cache: str | None) -> tuple[int, str]:
-    """measure_crossover, measured once per host, model file and build: kept in `cache` (a folder; the
-    file's name and contents carry the key: engine, torch and kernel builds, dtype, the weights' formats
-    and shapes, the measurement's constants), so the next start takes the same arithmetic without the
-    seconds of timing (a 0.5B's took 13 s). A missing, damaged or other key's entry is measured again;
-    a folder that cannot be written costs a warning. PAGEDSERVE_CROSSOVER_CACHE=0 measures every time."""
-    if cache is None or os.environ.get("PAGEDSERVE_CROSSOVER_CACHE") == "0":
-        return measure_crossover(ws, dtype)
-    import hashlib
-    import json
-    import logging
-    import pagedserve
-    key = {"engine": pagedserve.__version__, "torch": torch.__version__,
-           "kernels": os.path.basename(_lib()._name), "dtype": str(dtype), "int8_act": ws[0].int8_act,
-           "dense_copy": ws[0].dense is not None, "weights": [[w.fmt, *w.shape] for w in ws],
-           "constants": [COLD_BYTES, PACKED_MARGIN, SMALL_M_MAX]}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(cache, f"crossover-{digest}.json")
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-        rows = entry["rows"]
-        if entry["key"] == key and isinstance(rows, int) and 0 <= rows <= SMALL_M_MAX and (rows or ws[0].dense is not None):
-            return rows, f"{entry['line']} [measured at an earlier start: {path}]"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass                                                     # missing or damaged: measured again
-    rows, line = measure_crossover(ws, dtype)
-    try:
-        os.makedirs(cache, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"key": key, "rows": rows, "line": line}, f)
-        os.replace(path + ".tmp", path)
-    except OSError as e:
-        logging.getLogger("pagedserve").warning("crossover not cached (%s): it is measured again at the next start", e)
-    return rows, line
+def packed_rows(int8_act: bool, forced: int | None = None) -> tuple[int, int, str]:
+    """(layers' rows, LM head's rows, why): how many decode rows of a step the packed kernels take, from
+    PACKED_ROWS by this host's kind; `forced` (--packed-rows / PAGEDSERVE_PACKED_ROWS) for both instead.
+    A constant of the host kind, so every start computes the same numbers; steps that carry a prompt's
+    rows take the dense copy whatever their size (Packed.matmul)."""
+    if forced is None and os.environ.get("PAGEDSERVE_PACKED_ROWS"):
+        forced = int(os.environ["PAGEDSERVE_PACKED_ROWS"])
+    if forced is not None:
+        if not 1 <= forced <= MAX_PACKED_ROWS:
+            raise ValueError(f"packed_rows must be in 1..{MAX_PACKED_ROWS}, got {forced}")
+        return forced, forced, "pinned by --packed-rows"
+    if not int8_act:
+        return (*PACKED_ROWS_FLOAT, "float activations")
+    from pagedserve.host import cpu_info
+    isa = _lib().qmatmul_q8_isa().decode()
+    amx = "amx_bf16" in cpu_info()[1]
+    rows = PACKED_ROWS.get((isa, amx), PACKED_ROWS_OTHER)
+    return (*rows, f"the table for {isa}{' + AMX' if amx else ''}")
 
 
 class PackedLinear(nn.Module):

@@ -241,7 +241,7 @@ class ModelRunner:
         out: dict[str, list[dict[int, Logprob]]] = {}
         for c in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
             idx = torch.tensor(rows[c:c + PROMPT_LOGPROBS_ROWS], dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden[idx])
+            logits = self.model.compute_logits(hidden[idx], prompt=True)
             if logits is None:                          # a tensor-parallel rank > 0
                 continue
             lp = torch.log_softmax(logits.cpu().float(), dim=-1)
@@ -285,8 +285,9 @@ class ModelRunner:
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
             n = len(sample_rows)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[:n], dtype=torch.long, device=dev)]) \
-                if n else None
+            prompt = (md if isinstance(md, AttentionMetadata) else md[0]).num_prefills > 0
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[:n], dtype=torch.long, device=dev)],
+                                               prompt) if n else None
             if prompt_rows:
                 out.prompt_logprobs = self._prompt_logprobs(hidden, rows[n:], prompt_rows)
             for rid, first, pool in pool_rows:       # embeddings: the final-normed hidden states, summed

@@ -1,7 +1,6 @@
 """Packed weights (--quantization gguf | int8): every kernel code path this host runs (each ISA level x
 each block format x batches that take the in-register path, the chunked one and the dequantize +
 GEMM one) against gguf's own dequantizer and torch's fp32 F.linear."""
-import time
 
 import gguf
 import numpy as np
@@ -88,35 +87,24 @@ def test_bad_shapes_are_refused():
         PackedWeight("Q4_K", torch.zeros(4, 144 * 2, dtype=torch.uint8), 576)    # 576 is not a multiple of 256
 
 
-def test_crossover_is_measured():
-    w = quantize_int8(torch.randn(256, 576))
-    m, line = quant.measure_crossover(w, torch.float32)
-    assert 1 <= m <= quant.SMALL_M_MAX and f"packed up to {m} rows" in line
-
-
-def test_crossover_times_every_weight_in_turn(monkeypatch):
-    """A step reads each layer's weights once, from memory: the load times them in turn, as a step does,
-    every weight at every row count (x shaped for each weight's K), up to COLD_BYTES of packed data."""
-    ws = [quantize_int8(torch.randn(64, 256)), quantize_int8(torch.randn(32, 576)), quantize_int8(torch.randn(48, 256))]
-    calls = []
-    real = PackedWeight._qmatmul
-    def counting(self, x, int8_act=False):
-        assert x.shape[1] == self.K
-        calls.append((id(self), x.shape[0]))
-        return real(self, x, int8_act)
-    monkeypatch.setattr(PackedWeight, "_qmatmul", counting)
-    m, line = quant.measure_crossover(ws, torch.float32)
-    assert "3 weights in turn" in line
-    rows = sorted({r for _, r in calls})
-    for r in rows:      # each weight as often as the others at each row count (4 passes; 2 past 64 rows)
-        assert sorted(i for i, rr in calls if rr == r) == sorted([id(w) for w in ws] * (4 if r <= 64 else 2))
-    calls.clear()
-    monkeypatch.setattr(quant, "COLD_BYTES", ws[0].data.numel() + 1)
-    _, line = quant.measure_crossover(ws, torch.float32)
-    assert "2 weights in turn" in line and {i for i, _ in calls} == {id(ws[0]), id(ws[1])}
-    ws[1].int8_act = True
-    with pytest.raises(ValueError, match="one kind"):
-        quant.measure_crossover(ws, torch.float32)
+def test_packed_rows_come_from_the_host_kind_not_a_timing(monkeypatch):
+    """packed_rows reads a table by the int8 kernels' ISA and AMX (the same answer on every start: nothing
+    is timed), float activations their own row, PAGEDSERVE_PACKED_ROWS or --packed-rows pin both."""
+    monkeypatch.delenv("PAGEDSERVE_PACKED_ROWS", raising=False)
+    isa = quant._lib().qmatmul_q8_isa().decode()
+    from pagedserve.host import cpu_info
+    want = quant.PACKED_ROWS.get((isa, "amx_bf16" in cpu_info()[1]), quant.PACKED_ROWS_OTHER)
+    assert quant.packed_rows(True)[:2] == want and isa in quant.packed_rows(True)[2]
+    assert quant.packed_rows(True) == quant.packed_rows(True)
+    assert quant.packed_rows(False)[:2] == quant.PACKED_ROWS_FLOAT
+    assert quant.packed_rows(True, 7) == (7, 7, "pinned by --packed-rows")
+    monkeypatch.setenv("PAGEDSERVE_PACKED_ROWS", "3")
+    assert quant.packed_rows(False)[:2] == (3, 3)
+    for bad in (0, quant.MAX_PACKED_ROWS + 1):
+        with pytest.raises(ValueError, match="packed_rows"):
+            quant.packed_rows(True, bad)
+    for flags in (quant.PACKED_ROWS.values(), [quant.PACKED_ROWS_OTHER, quant.PACKED_ROWS_FLOAT]):
+        assert all(1 <= r <= quant.MAX_PACKED_ROWS and 1 <= h <= quant.MAX_PACKED_ROWS for r, h in flags)
 
 
 @pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
@@ -271,32 +259,20 @@ def _q41(n=64, k=256, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_copy_serves_the_many_row_products(dtype):
     """With a dense copy, rows above small_m are F.linear on the copy (not dequantized tiles), rows up
-    to it the packed kernel; small_m 0 means dense at every row count."""
+    to it the packed kernel; a step carrying prompt rows takes the copy at every row count (without a
+    copy, prompt or not, the packed kernel up to small_m)."""
     w = _q41()
     w.int8_act, w.small_m = True, 4
     w.dense = w.dequantize(dtype)
     x = torch.randn(9, w.K, generator=torch.Generator().manual_seed(3)).to(dtype)
     torch.testing.assert_close(w.matmul(x), F.linear(x, w.dense), rtol=0, atol=0)
     torch.testing.assert_close(w.matmul(x[:4]), w._qmatmul(x[:4], True).to(dtype), rtol=0, atol=0)
-    w.small_m = 0
-    torch.testing.assert_close(w.matmul(x[:1]), F.linear(x[:1], w.dense), rtol=0, atol=0)
+    for m in (1, 4, 9):
+        torch.testing.assert_close(w.matmul(x[:m], prompt=True), F.linear(x[:m], w.dense), rtol=0, atol=0)
+    dense, w.dense = w.dense, None
+    torch.testing.assert_close(w.matmul(x[:4], prompt=True), w._qmatmul(x[:4], True).to(dtype), rtol=0, atol=0)
+    w.dense = dense
     assert w.nbytes == w.data.numel() + w.dense.numel() * dtype.itemsize
-
-
-def test_crossover_against_a_dense_copy_may_be_zero(monkeypatch):
-    """Measured against the dense copy, the crossover may say dense at every row count; without one
-    it is at least 1 (the tile path is never faster at one row)."""
-    w = _q41(256, 576)
-    w.dense = w.dequantize()
-    def slow_kernel(self, x, int8_act=False):          # a packed kernel slower than any GEMM here
-        time.sleep(0.05)
-        return torch.zeros(x.shape[0], self.shape[0])
-    monkeypatch.setattr(PackedWeight, "_qmatmul", slow_kernel)
-    m, line = quant.measure_crossover(w, torch.float32)
-    assert m == 0 and line.startswith("dense at every row count (") and "dense copy GEMM" in line
-    w.dense = None
-    m, line = quant.measure_crossover(w, torch.float32)
-    assert m == 1 and "dequantize+GEMM" in line
 
 
 def test_dense_copies_are_skipped_when_memory_is_short():
@@ -311,34 +287,3 @@ def test_dense_copies_are_skipped_when_memory_is_short():
     assert describe(model) == "packed Q4_1 x 3 + dense copies"
     ids = torch.tensor([0, 31, 5])                                           # lookups read the copy: same rows
     torch.testing.assert_close(model["emb"](ids), e.dequantize(rows=ids), rtol=0, atol=0)
-
-
-def test_crossover_is_measured_once_and_kept(tmp_path, monkeypatch, caplog):
-    """cached_crossover: the first start measures and keeps the answer in the cache folder; the next takes
-    it without timing (the same arithmetic every start); a damaged entry or another key (dtype, formats)
-    is measured again; a folder that cannot be written is a warning, not a failure."""
-    calls = []
-    real = quant.measure_crossover
-
-    def counting(ws, dtype):
-        calls.append(dtype)
-        return real(ws, dtype)
-    monkeypatch.setattr(quant, "measure_crossover", counting)
-    ws = [quantize_int8(torch.randn(64, 256))]
-    m, line = quant.cached_crossover(ws, torch.float32, str(tmp_path))
-    assert len(calls) == 1 and "earlier start" not in line
-    (entry,) = list(tmp_path.iterdir())
-    m2, line2 = quant.cached_crossover(ws, torch.float32, str(tmp_path))
-    assert (m2, len(calls)) == (m, 1) and line2.startswith(line) and "measured at an earlier start" in line2
-    entry.write_text('{"key": {"engine": "0.0"}, "rows": 3')                 # truncated
-    assert quant.cached_crossover(ws, torch.float32, str(tmp_path))[0] >= 1 and len(calls) == 2
-    quant.cached_crossover(ws, torch.bfloat16, str(tmp_path))                 # another key: its own entry
-    assert len(calls) == 3 and len(list(tmp_path.iterdir())) == 2
-    blocked = tmp_path / "file"
-    blocked.write_text("")                                                    # a cache "folder" that is a file
-    with caplog.at_level("WARNING", logger="pagedserve"):
-        assert quant.cached_crossover(ws, torch.float32, str(blocked / "sub"))[0] >= 1
-    assert "not cached" in caplog.text and len(calls) == 4
-    monkeypatch.setenv("PAGEDSERVE_CROSSOVER_CACHE", "0")
-    quant.cached_crossover(ws, torch.float32, str(tmp_path))
-    assert len(calls) == 5
