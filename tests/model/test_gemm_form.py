@@ -1,4 +1,4 @@
-"""The small-batch GEMM form is chosen per host at load; both forms compute the same product."""
+"""The small-batch GEMM form is chosen by the host kind at load; both forms compute the same product."""
 import pytest
 import torch
 
@@ -13,7 +13,7 @@ def test_both_forms_agree(rows):
     assert linear(x, w, None, True).is_contiguous()
 
 
-def test_choice_is_measured_or_forced(default_model, monkeypatch):
+def test_choice_is_the_host_kinds_or_forced(default_model, monkeypatch):
     model, _ = default_model
     before = model.transposed
     try:
@@ -25,7 +25,7 @@ def test_choice_is_measured_or_forced(default_model, monkeypatch):
         with pytest.raises(ValueError, match="PAGEDSERVE_SMALL_M_GEMM"):
             model.choose_gemm_form()
         monkeypatch.delenv("PAGEDSERVE_SMALL_M_GEMM")
-        assert "measured" in model.choose_gemm_form()
+        assert "host kind" in model.choose_gemm_form()
     finally:
         model.transposed = before
         for layer in model.layers:
