@@ -10,7 +10,7 @@ Usage: python bench/throughput.py --workload mixed64 [--no-baselines] [--max-num
        python bench/throughput.py --paths auto:auto,auto:auto:ngram,auto:auto --no-baselines
            (a third field: speculative decoding, ngram = adaptive n-gram drafting, ngram-always = always;
            draft / draft-always = method draft_model with --draft PATH [--draft-quantization Q]; --spec-k
-           draft tokens)
+           draft tokens; invariant = --batch-invariant)
 """
 import argparse
 import json
@@ -33,8 +33,9 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
              spec: str | None = None) -> dict:
     import torch
     from pagedserve import LLM, SamplingParams
+    invariant, spec = spec == "invariant", None if spec == "invariant" else spec
     t0 = time.perf_counter()
-    llm = LLM(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+    llm = LLM(batch_invariant=invariant, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               long_prefill_token_threshold=args.chunk, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
               quantization=quantization,
@@ -66,7 +67,7 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
     sp = eng.scheduler.spec_stats
     return {"engine": "pagedserve", "dtype": dtype, "quantization": quantization, "speculative": spec,
             "draft_tokens": sp.num_draft_tokens, "accepted_tokens": sp.num_accepted_tokens,
-            "weights": eng.model.weights_desc, "weights_mb": round(eng.weights_bytes / 2**20, 1),
+            "weights": eng.model.weights_desc + (" batch-invariant" if invariant else ""), "weights_mb": round(eng.weights_bytes / 2**20, 1),
             "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
             "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
             "total_tok_s": round((p_tok + o_tok) / wall, 2), "token_counts_ok": ok, "steps": len(steps),

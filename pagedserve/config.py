@@ -111,9 +111,14 @@ class EngineArgs:
         "--dtype) | gguf (keep only the packed matrices: the least memory) | int8 (quantize every matrix per "
         "output channel at load)"))
     packed_rows: int | None = field(default=None, metadata=_h(
-        "decode rows of a step up to which packed weights take the product (1..256; default: the host kind's "
+        "decode rows of a step up to which packed weights take the product (default: the host kind's "
         "table, logged at load). Steps carrying prompt rows take the dense copy at any size; no timing "
         "decides either, so every start computes the same numbers"))
+    batch_invariant: bool = field(default=False, metadata=_h(
+        "a request's tokens and logprobs do not depend on what shares its steps, on chunk sizes or on "
+        "preemption: every row through the same row-wise kernels (packed products, the decode attention "
+        "kernel, the fused layer call) with a fixed reduction order; a GGUF file on one CPU rank, no LoRA "
+        "(vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); its cost in BENCHMARKS.md"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
@@ -201,8 +206,18 @@ class EngineArgs:
             bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
                                         "sharded)")
         if self.packed_rows is not None and (not isinstance(self.packed_rows, int) or isinstance(self.packed_rows, bool)
-                                             or not 1 <= self.packed_rows <= 256):
-            bad("packed_rows", "must be an integer in 1..256 or None")
+                                             or self.packed_rows < 1):
+            bad("packed_rows", "must be a positive integer or None")
+        if self.batch_invariant:
+            if self.packed_rows is not None:
+                bad("packed_rows", "cannot be pinned with batch_invariant (every row is packed there)")
+            if self.enable_lora:
+                bad("enable_lora", "cannot be combined with batch_invariant (adapters' rows take other kernels)")
+            if self.quantization not in ("auto", "gguf"):
+                bad("quantization", "must be auto or gguf with batch_invariant (its rows are the packed kernels')")
+            if self.device != "cpu" or self.tensor_parallel_size > 1:
+                bad("batch_invariant", "runs on one CPU rank (the packed kernels); device and tensor_parallel_size "
+                                       "must be cpu and 1")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

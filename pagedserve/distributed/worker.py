@@ -49,11 +49,12 @@ class CacheSpec:
     layout: KVLayout | None = None        # how layers share block tables; None: the model's own (cfg.kv_layout)
     attention_backend: str = "auto"       # EngineArgs.attention_backend
     decode_graphs: tuple[int, int] | None = None    # (max_num_seqs, max_model_len): CUDA graphs; None: eager
+    rows_as_decode: bool = False          # --batch-invariant: a prompt's tokens are decode rows too
 
     def runner(self, model) -> ModelRunner:
         """This rank's runner: the planned blocks for its own KV heads."""
         return ModelRunner(model, self.num_blocks, self.block_size, self.num_host_blocks, self.seed, self.kv_dtype,
-                           self.layout, self.attention_backend, self.decode_graphs)
+                           self.layout, self.attention_backend, self.decode_graphs, self.rows_as_decode)
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -28,6 +28,7 @@ from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.kv_plan import GiB, pool_blocks, window_plan, workspace_bytes
+from pagedserve.model.llama import FusedDecode
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.lora_request import LoRARegistry
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
@@ -71,14 +72,24 @@ class EngineCore:
     def _build(self, dtype: torch.dtype) -> None:
         """Load this rank's model, plan memory, build the cache manager, the scheduler and the runners."""
         args, tp = self.args, self.executor.tp
-        self.quantization, dense_copy, why = choose_quantization(args.quantization, self.source.kind, args.dtype,
-                                                                 args.device, tp.size)
+        if args.batch_invariant:
+            if self.source.kind != "gguf":
+                raise ValueError(f"batch_invariant needs a GGUF file (its rows take the packed kernels), and "
+                                 f"{self.source.path} is an HF folder")
+            self.quantization, dense_copy, why = "gguf", False, "--batch-invariant: every product packed, no dense copies"
+        else:
+            self.quantization, dense_copy, why = choose_quantization(args.quantization, self.source.kind, args.dtype,
+                                                                     args.device, tp.size)
         log.info("quantization %s (%s)", self.quantization, why)
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
-                                                   dense_copy, args.packed_rows)
+                                                   dense_copy, args.max_num_batched_tokens if args.batch_invariant
+                                                   else args.packed_rows)
+        if args.batch_invariant and self.model.fused is None:
+            raise ValueError(f"batch_invariant needs every layer in the fused native call, and this model's "
+                             f"cannot be: {FusedDecode.refusal(self.model)}")
         self.tokenizer = load_tokenizer(self.source)
         self.model_pooling = read_pooling_config(self.source)     # how embedding requests pool by default
         cfg = self.model_config
@@ -127,7 +138,11 @@ class EngineCore:
         graphs = None if graphs_off else (args.max_num_seqs, self.max_model_len)
         self.runner = self.executor.init_runner(self.model, CacheSpec(num_blocks, args.block_size, num_host,
                                                                       kv_dtype, args.seed, layout,
-                                                                      args.attention_backend, graphs))
+                                                                      args.attention_backend, graphs,
+                                                                      args.batch_invariant))
+        if args.batch_invariant and not self.runner.use_native:
+            raise ValueError(f"batch_invariant needs the native attention kernels, and this engine's is "
+                             f"{self.runner.attention_backend} (--attention-backend {args.attention_backend})")
         log.info("attention: %s (--attention-backend %s); CUDA graphs: %s", self.runner.attention_backend,
                  args.attention_backend, f"off ({graphs_off})" if graphs_off else self.runner.graphs_note)
         if draft is not None:

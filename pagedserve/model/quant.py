@@ -49,7 +49,6 @@ GROUPED = frozenset(INTERLEAVED.values()) | {"Q5_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
-MAX_PACKED_ROWS = 256     # the most decode rows a packed product takes (the fused decode call's scratch too)
 
 
 class Packed:
@@ -484,8 +483,8 @@ def packed_rows(int8_act: bool, forced: int | None = None) -> tuple[int, int, st
     if forced is None and os.environ.get("PAGEDSERVE_PACKED_ROWS"):
         forced = int(os.environ["PAGEDSERVE_PACKED_ROWS"])
     if forced is not None:
-        if not 1 <= forced <= MAX_PACKED_ROWS:
-            raise ValueError(f"packed_rows must be in 1..{MAX_PACKED_ROWS}, got {forced}")
+        if forced < 1:
+            raise ValueError(f"packed_rows must be a positive integer, got {forced}")
         return forced, forced, "pinned by --packed-rows"
     if not int8_act:
         return (*PACKED_ROWS_FLOAT, "float activations")

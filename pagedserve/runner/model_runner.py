@@ -55,9 +55,12 @@ def _untouched_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  seed: int = 0, kv_cache_dtype: torch.dtype | None = None, layout: KVLayout | None = None,
-                 attention_backend: str = "auto", decode_graphs: tuple[int, int] | None = None):
+                 attention_backend: str = "auto", decode_graphs: tuple[int, int] | None = None,
+                 rows_as_decode: bool = False):
         """decode_graphs: (max_num_seqs, max_model_len) to capture decode steps as CUDA graphs where they
-        can be (runner/cuda_graphs.py); None: every step eager."""
+        can be (runner/cuda_graphs.py); None: every step eager. rows_as_decode (--batch-invariant): every
+        token of a prompt chunk is a decode row too (its own context length, the chunk's block table), so
+        each row meets the same kernels whatever its chunk, its step or a preemption's recompute."""
         cfg = model.cfg
         self.model = model
         self.tp_size = model.tp.size
@@ -77,6 +80,7 @@ class ModelRunner:
                                   *((self.kv_scales[j, 0], self.kv_scales[j, 1]) if self.kv_scales is not None else ()))
                           for j in self.layout.layer_plane]
         self.sampler = Sampler(seed)
+        self.rows_as_decode = rows_as_decode
         self.pool_sums: dict[str, tuple[torch.Tensor, int]] = {}   # embedding requests pooled over chunks so far
         self.attention_backend = self._attention_backend(attention_backend)
         self.use_native = self.attention_backend == "native"
@@ -186,7 +190,7 @@ class ModelRunner:
             pos.extend(range(start, ctx))
             if row_loras is not None:
                 row_loras.extend([s.lora_id] * n)
-            decode = s.is_decode       # with drafts: one decode row per token, each seeing one position more
+            decode = s.is_decode or self.rows_as_decode    # with drafts: a decode row per token, each seeing one more
             for g, blocks in enumerate(s.block_tables):
                 slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
                 if decode:
