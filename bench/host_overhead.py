@@ -1,0 +1,110 @@
+"""Host work per engine step, with the device taken out (issue 53): the real scheduler, KV-cache manager,
+runner input path (ModelRunner.prepare), sampler and output path (detokenization, stop strings, stream
+deltas) around a fake model whose forward takes a set time T and returns hidden states of the right shape,
+whose LM head returns fixed logits over the real vocabulary. On a GPU the host's work is the speed (the
+first H200 run: 41 ms decode steps at 63 rows where the weights' roofline is ~4 ms); on the CPU a real
+forward hides it, so nothing measured it.
+
+For each running count N (every request streaming, in decode, EOS ignored), K steps are timed: the
+wall time of LLMEngine.step() minus T is the host's work; the core's own split (schedule + update,
+prepare, sample) comes from its StepStats, the output path is what step() adds to the core's step.
+Per sequence: the slope between the smallest and largest N. With T > 0, `rows/s of rows/T` says how
+much of the device's time the host loses (no overlap yet: the host's work adds to T).
+
+Usage: python bench/host_overhead.py [--running 1,16,64,256] [--T-ms 0,5] [--steps 30] [--sampling greedy|top_p]
+"""
+import argparse
+import time
+
+import torch
+
+
+def fake_device(model, t_s: float, vocab: int):
+    """The model's forward and LM head replaced: forward takes t_s (a device busy that long, the host
+    free: asleep but for the last millisecond, which is spun to end on time) and returns zeros; the LM head returns rows of fixed random logits (each row's argmax fixed)."""
+    hidden = model.cfg.hidden_size
+    dtype = model.norm.dtype
+    base = torch.randn(512, vocab, generator=torch.Generator().manual_seed(0))
+
+    def forward(input_ids, positions, kv_caches, md, lora=None, max_position=None):
+        if t_s:                          # asleep for most of it (the host is free), then to the microsecond
+            end = time.perf_counter() + t_s
+            time.sleep(max(0.0, t_s - 1e-3))
+            while time.perf_counter() < end:
+                pass
+        return torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
+
+    def compute_logits(h, prompt=False):
+        n = h.shape[0]
+        return base[torch.arange(n) % base.shape[0]]
+    model.forward, model.compute_logits = forward, compute_logits
+
+
+def measure(eng, n: int, steps: int, sampling) -> dict:
+    from pagedserve import SamplingParams
+    sp = SamplingParams(max_tokens=2_000, ignore_eos=True, **sampling)
+    for i in range(n):
+        eng.add_request(f"r{n}-{i}", {"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(32)]}, sp,
+                        stream=True)
+    while eng.core.scheduler.waiting or any(not s.is_decode for s in (eng.core.last_schedule.seqs
+                                                                       if eng.core.last_schedule else [])):
+        eng.step()
+    for _ in range(3):
+        eng.step()                                   # every request in decode, allocators warm
+    wall, split = [], {"schedule+update": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        w = time.perf_counter() - t0
+        st = eng.core.last_stats
+        assert st.num_decode_tokens == n and st.num_prefill_tokens == 0, (st.num_decode_tokens, n)
+        wall.append(w)
+        split["prepare"] += st.prepare_s
+        split["forward"] += st.forward_s
+        split["sample"] += st.sample_s
+        split["schedule+update"] += st.step_s - st.prepare_s - st.forward_s - st.sample_s
+        split["output"] += w - st.step_s
+    for rid in list(eng.states):
+        eng.abort(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    wall.sort()
+    return {"running": n, "step_ms_p50": 1e3 * wall[len(wall) // 2],
+            **{f"{k}_us": round(1e6 * v / steps, 1) for k, v in split.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", default="1,16,64,256")
+    ap.add_argument("--T-ms", dest="t_ms", default="0,5")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy")
+    a = ap.parse_args()
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.host import describe
+    running = [int(x) for x in a.running.split(",")]
+    sampling = {"temperature": 0.0} if a.sampling == "greedy" else {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+    eng = LLMEngine(max_num_seqs=max(running), max_num_batched_tokens=max(1024, 32 * max(running)),
+                    num_kv_blocks=max(running) * 12 + 64)
+    print(f"host: {describe()}; sampling {a.sampling}; {eng.core.model.cfg.vocab_size}-entry vocabulary")
+    for t_ms in (float(x) for x in a.t_ms.split(",")):
+        fake_device(eng.core.model, t_ms / 1e3, eng.core.model.cfg.vocab_size)
+        rows = [measure(eng, n, a.steps, sampling) for n in running]
+        print(f"T = {t_ms:g} ms")
+        for r in rows:
+            host_ms = r["step_ms_p50"] - t_ms
+            rate = r["running"] / (r["step_ms_p50"] / 1e3)
+            ideal = r["running"] / (t_ms / 1e3) if t_ms else float("inf")
+            print(f"  {r['running']:4d} running: step p50 {r['step_ms_p50']:7.3f} ms, host {host_ms:7.3f} ms "
+                  f"({1e3 * host_ms / r['running']:6.1f} us/seq); schedule+update {r['schedule+update_us']:8.1f} us, "
+                  f"prepare {r['prepare_us']:8.1f}, sample {r['sample_us']:8.1f}, output {r['output_us']:8.1f}"
+                  + (f"; {rate:,.0f} rows/s = {rate / ideal:.0%} of rows/T" if t_ms else ""))
+        if len(rows) > 1:
+            lo, hi = rows[0], rows[-1]
+            slope = (hi["step_ms_p50"] - lo["step_ms_p50"]) / (hi["running"] - lo["running"])
+            print(f"  per sequence (slope {lo['running']}..{hi['running']}): {1e3 * slope:.1f} us; fixed: "
+                  f"{lo['step_ms_p50'] - t_ms - slope * lo['running']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
