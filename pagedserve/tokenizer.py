@@ -4,27 +4,66 @@ characters split over several tokens."""
 from __future__ import annotations
 
 import os
+import threading
 
 from pagedserve.errors import ParamError
 from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
 
 
-def load_tokenizer(src: ModelSource):
-    """A transformers tokenizer. A GGUF's vocabulary is converted once (slow: ~10 s for 49k tokens)
-    and the result cached on disk, keyed by the file's path, size and mtime."""
+class SerialTokenizer:
+    """One owner of a transformers tokenizer that many threads call (the server's worker threads
+    template and tokenize, the event loop and the engine thread detokenize): its calls take one lock,
+    one at a time. A fast tokenizer is a Rust object whose encode path sets truncation and padding on
+    it, and concurrent calls raise "Already borrowed" (one request's failure caused by another's).
+    Everything else (vocabulary, special tokens, the chat template) is read through as it is;
+    `inner` is the tokenizer itself, for libraries that take one (llguidance)."""
+
+    CALLS = ("__call__", "encode", "decode", "batch_decode", "apply_chat_template", "tokenize",
+             "convert_ids_to_tokens", "convert_tokens_to_ids", "convert_tokens_to_string")
+
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "_lock", threading.RLock())
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.CALLS:
+            return attr
+        lock = self._lock
+
+        def serial(*args, **kwargs):
+            with lock:
+                return attr(*args, **kwargs)
+        return serial
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self.inner(*args, **kwargs)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def load_tokenizer(src: ModelSource) -> SerialTokenizer:
+    """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted
+    once (slow: ~10 s for 49k tokens) and the result cached on disk, keyed by the file's path, size
+    and mtime."""
     from transformers import AutoTokenizer
     try:
         if src.kind == "hf":
-            return AutoTokenizer.from_pretrained(src.path)
+            return SerialTokenizer(AutoTokenizer.from_pretrained(src.path))
         cache = cache_dir(src.path, "tokenizers")
         if os.path.isfile(os.path.join(cache, "tokenizer.json")):
-            return AutoTokenizer.from_pretrained(cache)
+            return SerialTokenizer(AutoTokenizer.from_pretrained(cache))
         tok = AutoTokenizer.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path))
         try:
             tok.save_pretrained(cache)
         except OSError:
             pass  # a read-only home only costs the conversion next time
-        return tok
+        return SerialTokenizer(tok)
     except ModelLoadError:
         raise
     except Exception as e:

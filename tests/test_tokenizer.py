@@ -17,3 +17,42 @@ def test_incremental_detokenization_across_multibyte_characters(tokenizer):
     deltas = [d.add(t) for t in ids]
     assert "".join(deltas) == text
     assert all("\ufffd" not in x for x in deltas)
+
+
+def test_many_threads_tokenize_template_and_detokenize_at_once(tokenizer):
+    """The server calls one tokenizer from its worker threads, the event loop and the engine thread. A fast
+    tokenizer's encode path sets truncation / padding on its Rust object, and concurrent calls raised
+    "Already borrowed"; load_tokenizer's SerialTokenizer takes them one at a time. Every thread's results
+    equal the serial ones."""
+    import threading
+    from pagedserve.tokenizer import SerialTokenizer
+    assert isinstance(tokenizer, SerialTokenizer)
+    texts = [f"request {i}: " + "Grüße aus Köln 🌍 " * (1 + i % 7) for i in range(24)]
+
+    def work(i):
+        t = texts[i]
+        ids = tokenizer(t, truncation=True, max_length=8 + i)["input_ids"]      # the mutating path
+        chat = apply_chat_template(tokenizer, [{"role": "user", "content": t}])
+        full = tokenizer.encode(t, add_special_tokens=False)
+        d = IncrementalDetokenizer(tokenizer)
+        streamed = "".join(d.add(x) for x in full) + d.flush()
+        return ids, chat, tokenizer.decode(full), streamed
+
+    want = [work(i) for i in range(len(texts))]
+    got, errors = [None] * len(texts), []
+    start = threading.Barrier(len(texts))
+
+    def run(i):
+        start.wait()
+        try:
+            for _ in range(5):
+                got[i] = work(i)
+        except Exception as e:          # noqa: BLE001 -- any failure is the test's
+            errors.append(repr(e))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == want
+    assert all(w[3] == texts[i] == w[2] for i, w in enumerate(want))

@@ -43,7 +43,8 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(getattr(self.tokenizer, "inner", self.tokenizer),
+                                                                  n_vocab=self.vocab_size,
                                                                   eos_token=list(self.eos_token_ids) or None)
         return self._ll_tokenizer
 
