@@ -7,7 +7,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist (`make test` runs two workers) each worker takes its share of the cores: two
+# workers with two OpenMP threads each on two cores spin against each other
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 if not torch.cuda.is_available():
     # the Triton attention kernels run in Triton's interpreter here; the mode is fixed when triton is first
     # imported, and transformers' modeling modules import it, so before any test module loads
