@@ -60,7 +60,7 @@ def served(n: int, seed: int, serve_args: list[str]) -> dict:
     try:
         def one(ids):
             times = []
-            body = {"model": "m", "prompt": ids, "max_tokens": OUT_TOKENS, "stream": True, "ignore_eos": True,
+            body = {"prompt": ids, "max_tokens": OUT_TOKENS, "stream": True, "ignore_eos": True,
                     "temperature": 0}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():

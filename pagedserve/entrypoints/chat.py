@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import ChatCompletionRequest, legacy_functions, message_dict, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, collect, deltas, model_name, sse, state,
-                                              usage_of)
+from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, check_model, collect, deltas, model_name,
+                                              sse, state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.tokenizer import apply_chat_template
@@ -22,6 +22,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = state(http)
+    check_model(st, body.model)
     legacy_functions(body)
     template = st.chat_template or st.engine.tokenizer.chat_template
     mode = tool_calls.tool_mode(body, st.tool_call_parser, template)

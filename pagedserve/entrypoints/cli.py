@@ -168,7 +168,9 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000)
     _log_level_flag(s, "info")
     s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 and /debug")
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) requests give as `model` (aliases; the first is the one responses report); "
+                        "any other is a 404 model_not_found (default: the model's name)")
     for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
         s.add_argument(f"--allowed-{flag}", type=json_list, default=["*"],
                        help=f'CORS: the {what} browsers may use, a JSON list (default: ["*"])')

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.protocol import CompletionRequest, to_sampling_params
-from pagedserve.entrypoints.responses import (Usage, admit, collect, completion_logprobs, deltas, model_name, sse,
-                                              state, usage_of)
+from pagedserve.entrypoints.responses import (Usage, admit, check_model, collect, completion_logprobs, deltas,
+                                              model_name, sse, state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
 
@@ -21,6 +21,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: Request):
     st = state(http)
+    check_model(st, body.model)
     if body.suffix:
         raise RequestError("suffix", "suffix: insertion (text after the completion) is not supported")
     if body.best_of is not None and body.best_of != body.n:

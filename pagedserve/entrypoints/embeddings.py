@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pagedserve.entrypoints.completions import tokenize_prompts
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.protocol import EmbeddingRequest
-from pagedserve.entrypoints.responses import admit, collect, model_name, state
+from pagedserve.entrypoints.responses import admit, check_model, collect, model_name, state
 from pagedserve.errors import ParamError
 from pagedserve.sampling_params import PoolingParams
 
@@ -21,6 +21,7 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, http: Request):
     st = state(http)
+    check_model(st, body.model)
     try:        # the engine resolves the pooling (the model's, --pooling) and checks dimensions
         rid, prompts, streams = await admit(st, http, body, "embd-", PoolingParams(dimensions=body.dimensions),
                                             lambda: tokenize_prompts(st, body.input, "input"), prompt_field="input")

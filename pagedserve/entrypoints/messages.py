@@ -24,8 +24,8 @@ from pagedserve.entrypoints import tool_calls
 from pagedserve.entrypoints.http_errors import RequestError, anthropic_error_body
 from pagedserve.entrypoints.protocol import (INT32_MAX, ChatCompletionRequest, FunctionDefinition, NamedFunction,
                                              NamedToolChoice, Tool, _Body, _Sampling, to_sampling_params)
-from pagedserve.entrypoints.responses import (EngineStreamResponse, Usage, admit, collect, deltas, model_name,
-                                              state)
+from pagedserve.entrypoints.responses import (EngineStreamResponse, Usage, admit, check_model, collect, deltas,
+                                              model_name, state)
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError
 from pagedserve.tokenizer import apply_chat_template
@@ -200,6 +200,7 @@ def prompt_ids(st: ServerState, body: MessagesRequest, tools: list[dict] | None)
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, http: Request):
     st = state(http)
+    check_model(st, body.model)
     chat, mode, tools = plan(st, body)
     params = to_sampling_params(chat, body.max_tokens, None, constraint=tool_calls.constraint(chat, mode))
     rid, prompts, streams = await admit(st, http, body, "msg_", params,
@@ -219,6 +220,7 @@ async def create_message(body: MessagesRequest, http: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, http: Request):
     st = state(http)
+    check_model(st, body.model)
     _, _, tools = plan(st, body)
     return {"input_tokens": len(await asyncio.to_thread(prompt_ids, st, body, tools))}
 

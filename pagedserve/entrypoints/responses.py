@@ -45,17 +45,43 @@ def traffic_class(http: Request, body) -> str | None:
     return named if named and state(http).engine.scheduler.classes is not None else None
 
 
+def check_model(st: ServerState, model: str | None) -> None:
+    """A request's `model`: a served name (--served-model-name, aliases included) or, with --enable-lora,
+    a loaded adapter's; else a 404 model_not_found listing the served names, before anything is admitted.
+    Omitted or empty is the served model (OpenAI requires the field; pagedserve, as vLLM, never has)."""
+    if not model or model in st.served_model_names:
+        return
+    if st.engine.loras is not None and st.engine.loras.get(model) is not None:
+        return          # (whether it is still loaded when submitted is decided in the engine thread)
+    raise model_not_found(st, model)
+
+
+def model_not_found(st: ServerState, model: str) -> RequestError:
+    """OpenAI's 404 for an unknown model (type invalid_request_error, code model_not_found, param model);
+    on /v1/messages it is answered in Anthropic's shape (not_found_error)."""
+    names = list(st.served_model_names)
+    if st.engine.loras is not None:
+        try:            # the engine thread may load or unload one meanwhile: a copy, retried once
+            names += list(st.engine.loras.by_name)
+        except RuntimeError:
+            names += list(st.engine.loras.by_name)
+    return RequestError("model", f"The model `{model}` does not exist. The models served: "
+                                 f"{', '.join(names)} (GET /v1/models lists them).", 404,
+                        code="model_not_found")
+
+
 def lora_of(st: ServerState, model: str | None) -> LoRARequest | None:
     """The LoRA adapter a request's `model` names (with --enable-lora): None for the served model. Whether
     an adapter of that name is loaded is decided in the engine thread, where adapters are loaded and
     unloaded (an unknown name is a 404 naming `model`)."""
-    if not st.engine.args.enable_lora or model is None or model == st.model_name:
+    if not st.engine.args.enable_lora or not model or model in st.served_model_names:
         return None
     return LoRARequest(model)
 
 
 def model_name(st: ServerState, model: str | None) -> str:
-    """The `model` a response names: the LoRA adapter the request ran with, else the served model."""
+    """The `model` a response names: the LoRA adapter the request ran with, else the first served name
+    (whichever alias the request gave, as vLLM documents --served-model-name)."""
     return st.model_name if lora_of(st, model) is None else model
 
 
@@ -68,6 +94,7 @@ async def admit(st: ServerState, http: Request, body, prefix: str, params,
     per prompt (`submit`). The engine's errors about the prompt (its length: context_length_exceeded)
     name the route's `prompt_field` (chat's `messages`, embeddings' `input`). Returns the request id
     (`prefix` + a uuid), the prompts and their streams."""
+    check_model(st, body.model)
     check_n(st, getattr(body, "n", 1))
 
     def prepare() -> list[dict]:
@@ -103,9 +130,7 @@ async def submit(st: ServerState, rid: str, prompts: list[dict], params, priorit
                 g.abort()
         e = errors[0]
         if isinstance(e, ParamError) and e.param == "lora_request":
-            raise RequestError("model", f"model: the model {model!r} does not exist (served: {st.model_name!r} "
-                                        f"and its loaded LoRA adapters, listed by /v1/models)", 404,
-                               "NotFoundError") from None
+            raise model_not_found(st, model) from None
         raise e
     return got
 

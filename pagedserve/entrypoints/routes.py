@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from pagedserve.entrypoints import chat, completions, embeddings, messages, responses_api
 from pagedserve.entrypoints.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                              UnloadLoRAAdapterRequest, message_dict)
-from pagedserve.entrypoints.responses import state as _state
+from pagedserve.entrypoints.responses import check_model, state as _state
 from pagedserve.entrypoints.http_errors import RequestError, error_response
 from pagedserve.errors import EngineDeadError
 from pagedserve.tokenizer import apply_chat_template
@@ -40,15 +40,17 @@ async def health(http: Request):
 
 @router.get("/v1/models")
 async def models(http: Request):
-    """The served model, and with --enable-lora each loaded adapter (its parent: the served model)."""
+    """The served model under each of its names (--served-model-name), and with --enable-lora each loaded
+    adapter (its parent: the served model's first name)."""
     st = _state(http)
     eng = st.engine
     base = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": eng.source.path,
             "parent": None, "max_model_len": eng.max_model_len}
     adapters = [] if eng.loras is None else await st.aengine.call(
         lambda: [(name, e.path) for name, e in eng.loras.by_name.items()])
-    return {"object": "list", "data": [base] + [base | {"id": name, "root": path, "parent": st.model_name}
-                                                for name, path in adapters]}
+    return {"object": "list", "data": [base | {"id": name} for name in st.served_model_names] +
+                                      [base | {"id": name, "root": path, "parent": st.model_name}
+                                       for name, path in adapters]}
 
 
 # ---------------------------------------------------------------- LoRA adapters at run time (vLLM's routes)
@@ -63,8 +65,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
     """Load a PEFT adapter folder under a name requests can then give as `model`. 400 naming the field
     when the server runs without --enable-lora, the name is taken or the folder does not fit the model."""
     st = _with_lora(http)
-    if body.lora_name == st.model_name:
-        raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is the served model's name")
+    if body.lora_name in st.served_model_names:
+        raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is a served model name")
     await st.aengine.call(lambda: st.engine.loras.load(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -131,6 +133,7 @@ def scheduler_snapshot(st) -> dict:
 async def tokenize(body: TokenizeRequest, http: Request):
     """{"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"[, "token_strs"]}."""
     st = _state(http)
+    check_model(st, body.model)
     tok = st.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("prompt", "prompt: give exactly one of prompt and messages")
@@ -153,6 +156,7 @@ async def tokenize(body: TokenizeRequest, http: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, http: Request):
     st = _state(http)
+    check_model(st, body.model)
     st.engine.check_token_ids("tokens", body.tokens)         # a 400 naming the field
     return {"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, body.tokens)}
 

@@ -25,7 +25,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
 from pagedserve.entrypoints.metrics import ServerMetrics
 from pagedserve.entrypoints.routes import router
-from pagedserve.entrypoints.server_state import ServerState, system_fingerprint
+from pagedserve.entrypoints.server_state import ServerState, served_names, system_fingerprint
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 
 log = logging.getLogger("pagedserve")
@@ -159,17 +159,20 @@ def _install_error_handlers(app: FastAPI) -> None:
                               path=http.url.path)
 
 
-def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | None = None,
+def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: str | list[str] | None = None,
               max_body_bytes: int = 4 * 2**20, request_timeout_s: float | None = None,
               engine_thread: bool = True, chat_template: str | None = None,
               tool_call_parser: str | None = None, dashboard: bool = True,
               reasoning_parser: str | None = None, cors: CORSConfig = CORSConfig()) -> FastAPI:
-    """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread)."""
+    """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread).
+    `served_model_name`: the name requests give as `model`, or a list of them (aliases: the first is the
+    one responses report); None: the model's own name. Any other `model` is a 404 model_not_found."""
+    names = served_names(served_model_name, engine.source.name)
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
-    state = ServerState(engine, aengine, metrics, served_model_name or engine.source.name,
-                        chat_template=chat_template, tool_call_parser=tool_call_parser,
+    state = ServerState(engine, aengine, metrics, names[0], served_model_names=names, chat_template=chat_template,
+                        tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser, system_fingerprint=system_fingerprint(engine))
     if dashboard:
         from pagedserve.entrypoints.dashboard import StateRecorder

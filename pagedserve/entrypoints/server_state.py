@@ -18,7 +18,7 @@ class ServerState:
     engine: LLMEngine
     aengine: AsyncLLMEngine
     metrics: ServerMetrics
-    model_name: str
+    model_name: str               # the first served name: the one responses report
     draining: bool = False        # SIGTERM received: new requests get 503, in-flight ones finish
     chat_template: str | None = None      # --chat-template: replaces the model's own
     tool_call_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
@@ -26,6 +26,22 @@ class ServerState:
     recorder: object = None               # the dashboard's StateRecorder (steps, latencies)
     responses: object = None              # /v1/responses' bounded ResponseStore (made on first use)
     system_fingerprint: str = ""          # OpenAI's field on chat and text completions (system_fingerprint())
+    served_model_names: tuple[str, ...] = ()   # --served-model-name: every name a request's `model` may give
+
+
+def served_names(names, default: str) -> tuple[str, ...]:
+    """--served-model-name as vLLM takes it: one name or several (aliases; the first is the one responses
+    report and /v1/models lists first), None or empty: `default` (the model's name). ValueError names the
+    field on an empty name."""
+    if names is None or isinstance(names, str):
+        names = [] if not names else [names]
+    out: list[str] = []
+    for n in names:
+        if not isinstance(n, str) or not n.strip():
+            raise ValueError(f"served_model_name: {n!r} is not a model name")
+        if n not in out:
+            out.append(n)
+    return tuple(out) or (default,)
 
 
 def system_fingerprint(engine: LLMEngine) -> str:

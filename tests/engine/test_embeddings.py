@@ -137,7 +137,7 @@ def test_v1_embeddings_with_the_openai_sdk(model):
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(str(d), dtype="float32", num_kv_blocks=64))
     prompts = _prompts(hf.config.vocab_size)
-    with serve_in_thread(build_app(engine)) as base:
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         r = client.embeddings.create(model="m", input=prompts)
         assert [e.index for e in r.data] == [0, 1, 2, 3] and r.usage.prompt_tokens == sum(map(len, prompts))

@@ -296,7 +296,13 @@ def test_served_adapters_with_the_openai_sdk(llama):
         assert client.completions.create(model="base", prompt=prompt, max_tokens=2).model == "base"
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model="B", prompt=prompt, max_tokens=4)
-        assert e.value.body["param"] == "model" and "'B'" in e.value.body["message"]
+        assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+        assert "`B` does not exist" in e.value.body["message"] and "base, A" in e.value.body["message"]
+        r = httpx.post(url + "/tokenize", json={"model": "B", "prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert httpx.post(url + "/tokenize", json={"model": "A", "prompt": "hi"}).status_code == 200
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": str(d / "B")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "B", "lora_path": str(d / "B")})
         assert r.status_code == 200 and "B" in r.text
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "B", "lora_path": str(d / "B")})

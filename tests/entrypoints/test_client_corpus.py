@@ -31,7 +31,9 @@ def replies():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=1200, max_num_seqs=32, max_model_len=300, dtype="float32"))
-    app = build_app(engine, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes")
+    # the names the clients were configured with, served as aliases (an unknown `model` is a 404)
+    names = sorted({c["body"]["model"] for c in CASES.values() if c["body"].get("model")})
+    app = build_app(engine, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes", served_model_name=names)
 
     async def send(base, case):
         async with httpx.AsyncClient(timeout=300) as c:

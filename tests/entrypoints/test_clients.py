@@ -29,7 +29,7 @@ def server():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=800, max_num_seqs=32, dtype="float32"))
-    app = build_app(engine)
+    app = build_app(engine, served_model_name="m")
     with serve_in_thread(app) as base:
         yield base, engine
 
@@ -263,7 +263,7 @@ def test_auto_tool_choice_with_hermes_parser():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
     assert parse_hermes("no call here") == ("no call here", [])
     engine = LLMEngine(EngineArgs(num_kv_blocks=64, dtype="float32"))
-    app = build_app(engine, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes")
+    app = build_app(engine, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes", served_model_name="m")
     with serve_in_thread(app) as base:
         r = httpx.post(base + "/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "max_tokens": 8},
                        timeout=30)

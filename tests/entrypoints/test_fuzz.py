@@ -14,6 +14,7 @@ from pagedserve.entrypoints.routes import router
 from tests.entrypoints.helpers import serve_in_thread
 
 KEY = "k"
+MODEL = "m"         # the served name: the schema's `model` (valid bodies name it; any other name is a 404)
 EXAMPLES = collections.Counter()
 
 
@@ -21,7 +22,11 @@ def _spec() -> dict:
     app = FastAPI(title="pagedserve")     # the same routes, without an engine: only the schema is needed
     app.include_router(router)
     app.include_router(dashboard_router)
-    return app.openapi()
+    spec = app.openapi()
+    for s in spec["components"]["schemas"].values():
+        if "model" in s.get("properties", {}):
+            s["properties"]["model"] = {"anyOf": [{"type": "string", "enum": [MODEL]}, {"type": "null"}]}
+    return spec
 
 
 schema = schemathesis.openapi.from_dict(_spec())
@@ -35,7 +40,7 @@ def base():
     from pagedserve.entrypoints.server import build_app
     # a short context and a request timeout bound the work one generated request can ask for
     engine = LLMEngine(EngineArgs(num_kv_blocks=128, max_num_seqs=4, max_model_len=48))
-    app = build_app(engine, api_key=KEY, request_timeout_s=5.0)
+    app = build_app(engine, api_key=KEY, request_timeout_s=5.0, served_model_name=MODEL)
     with serve_in_thread(app) as url:
         yield url
     assert not engine.has_unfinished_requests()
@@ -53,7 +58,8 @@ def test_no_5xx_and_errors_are_openai_json(base, case):
         assert body["type"] == "error" and body["error"]["message"] and body["error"]["type"]
     elif r.status_code >= 400:
         err = r.json()["error"]
-        assert err["message"] and err["code"] in (r.status_code, "context_length_exceeded") and "type" in err
+        codes = (r.status_code, "context_length_exceeded") + (("model_not_found",) if r.status_code == 404 else ())
+        assert err["message"] and err["code"] in codes and "type" in err
 
 
 def test_fuzzer_ran_enough_examples():

@@ -27,7 +27,7 @@ def _engine():
 def server():
     """The model's own chat template (it does not render tools), an API key, no tool-call parser."""
     from pagedserve.entrypoints.server import build_app
-    app = build_app(_engine(), api_key=API_KEY, dashboard=False)
+    app = build_app(_engine(), api_key=API_KEY, dashboard=False, served_model_name=["SmolLM2-135M-Instruct", "m"])
     with serve_in_thread(app) as base:
         yield base
 
@@ -41,7 +41,8 @@ def client(server):
 def tool_client():
     """A template that renders tools and the hermes parser (--enable-auto-tool-choice --tool-call-parser hermes)."""
     from pagedserve.entrypoints.server import build_app
-    app = build_app(_engine(), chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes", dashboard=False)
+    app = build_app(_engine(), chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes", dashboard=False,
+                    served_model_name="m")
     with serve_in_thread(app) as base:
         yield anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
 

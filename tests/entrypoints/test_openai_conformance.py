@@ -18,7 +18,7 @@ def server():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=4))
-    with serve_in_thread(build_app(engine, api_key=API_KEY)) as base:
+    with serve_in_thread(build_app(engine, api_key=API_KEY, served_model_name="m")) as base:
         yield base
 
 
@@ -67,7 +67,7 @@ def test_cors_flags_without_api_key():
         build_parser(only="serve").parse_args(["serve", "--allowed-origins", "*"])   # not a JSON list
     cors = CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods), ("authorization", "content-type"), True)
     engine = LLMEngine(EngineArgs(num_kv_blocks=16, max_model_len=64, max_num_seqs=2))
-    with serve_in_thread(build_app(engine, cors=cors, dashboard=False)) as base:
+    with serve_in_thread(build_app(engine, cors=cors, dashboard=False, served_model_name="m")) as base:
         r = preflight(base)
         assert r.status_code == 200, r.text
         assert r.headers["access-control-allow-origin"] == ORIGIN

@@ -19,7 +19,7 @@ def servers():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=200, dtype="float32"))
-    with serve_in_thread(build_app(engine, reasoning_parser="qwen3", dashboard=False)) as qwen3:
+    with serve_in_thread(build_app(engine, reasoning_parser="qwen3", dashboard=False, served_model_name="m")) as qwen3:
         yield qwen3
 
 

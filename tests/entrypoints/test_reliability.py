@@ -35,7 +35,7 @@ def served(engine):
 
     @__import__("contextlib").contextmanager
     def make(**kw):
-        app = build_app(engine, api_key=KEY, **kw)
+        app = build_app(engine, api_key=KEY, served_model_name="m", **kw)
         apps.append(app)
         with serve_in_thread(app) as base:
             yield base, app

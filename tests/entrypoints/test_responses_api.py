@@ -23,7 +23,7 @@ def server():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=600, max_num_seqs=16, dtype="float32"))
-    with serve_in_thread(build_app(engine)) as base:
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base:
         yield base, engine
 
 

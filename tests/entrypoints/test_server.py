@@ -18,7 +18,7 @@ def server():
     # float32: tests below compare greedy texts of repeated prompts, which hit the prefix cache and so run
     # fewer prefill rows; bf16 GEMMs round differently with the row count (float32 ones do not here)
     engine = LLMEngine(EngineArgs(num_kv_blocks=600, max_waiting_requests=40, max_num_seqs=32, dtype="float32"))
-    app = build_app(engine, api_key=API_KEY, max_body_bytes=200_000)
+    app = build_app(engine, api_key=API_KEY, max_body_bytes=200_000, served_model_name=["SmolLM2-135M-Instruct", "m"])
     with serve_in_thread(app) as base:
         yield base, engine, app
 
@@ -48,6 +48,98 @@ def metric(base, name, labels=""):
 def test_models_and_health(server, client):
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+# ---------------------------------------------------------------- `model`: served names, aliases, unknown names
+MSGS = [{"role": "user", "content": "Hi"}]
+MODEL_ROUTES = [("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}),
+                ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "stream": True}),
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True}),
+                ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+                ("/v1/embeddings", {"input": "Hi"}),
+                ("/tokenize", {"prompt": "Hi"}),
+                ("/detokenize", {"tokens": [1, 2]})]
+
+
+@pytest.mark.parametrize("path,body", MODEL_ROUTES, ids=[p + (" stream" if b.get("stream") else "")
+                                                         for p, b in MODEL_ROUTES])
+def test_unknown_model_is_a_404_model_not_found_listing_the_served_names(server, path, body):
+    """As OpenAI answers (invalid_request_error, code model_not_found, param model) and vLLM refuses:
+    before anything is admitted, and before the body's values are checked against the model (an `n` over
+    max_num_seqs); a body that does not parse is still a 400 first."""
+    base, engine, _ = server
+    for extra in ({}, {"n": 1000} if path in ("/v1/chat/completions", "/v1/completions") else {}):
+        r = httpx.post(base + path, json=body | extra | {"model": "gpt-4o"},
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found" and err["param"] == "model"
+        assert "`gpt-4o` does not exist" in err["message"] and "SmolLM2-135M-Instruct, m" in err["message"]
+    assert wait_idle(engine)
+    held = httpx.get(base + "/debug/scheduler", headers={"Authorization": f"Bearer {API_KEY}"}).json()["held"]
+    assert all(v == 0 for v in held.values()), held
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_unknown_model_on_the_messages_api_is_anthropics_404(server, path):
+    base, engine, _ = server
+    r = httpx.post(base + path, json={"model": "claude-opus-4", "max_tokens": 2, "messages": MSGS},
+                   headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
+    assert r.status_code == 404, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    assert "`claude-opus-4` does not exist" in body["error"]["message"]
+    assert "SmolLM2-135M-Instruct, m" in body["error"]["message"]
+    assert wait_idle(engine)
+
+
+def test_unknown_model_with_the_openai_sdk(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=2)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="Hi")
+
+
+def test_aliases_each_serve_the_model_and_responses_name_the_first(server, client):
+    """--served-model-name A B: both are the model (the same greedy text), /v1/models lists both in
+    order, responses report the first. An omitted or empty `model` is the served model too (OpenAI
+    requires the field; pagedserve, as vLLM, never has)."""
+    base, engine, _ = server
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct", "m"]
+    texts = set()
+    for name in ("SmolLM2-135M-Instruct", "m"):
+        r = client.completions.create(model=name, prompt="The sky is", max_tokens=4, temperature=0)
+        assert r.model == "SmolLM2-135M-Instruct"
+        texts.add(r.choices[0].text)
+        c = client.chat.completions.create(model=name, messages=MSGS, max_tokens=2)
+        assert c.model == "SmolLM2-135M-Instruct"
+        stream = client.chat.completions.create(model=name, messages=MSGS, max_tokens=2, stream=True)
+        assert {ch.model for ch in stream} == {"SmolLM2-135M-Instruct"}
+        m = httpx.post(base + "/v1/messages", json={"model": name, "max_tokens": 2, "messages": MSGS},
+                       headers={"x-api-key": API_KEY}).json()
+        assert m["model"] == "SmolLM2-135M-Instruct"
+    assert len(texts) == 1
+    for body in ({}, {"model": ""}):
+        r = httpx.post(base + "/v1/completions", json={"prompt": "The sky is", "max_tokens": 4, "temperature": 0}
+                       | body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200 and r.json()["model"] == "SmolLM2-135M-Instruct"
+        assert r.json()["choices"][0]["text"] in texts
+    assert wait_idle(engine)
+
+
+def test_served_model_name_takes_several_names():
+    """The CLI's --served-model-name NAME [NAME ...] (vLLM's); build_app takes a str or a list."""
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.server_state import served_names
+    ns = build_parser(only="serve").parse_args(["serve", "--served-model-name", "a", "b"])
+    assert ns.served_model_name == ["a", "b"]
+    assert build_parser(only="serve").parse_args(["serve"]).served_model_name is None
+    assert served_names(None, "dflt") == ("dflt",) and served_names("x", "dflt") == ("x",)
+    assert served_names(["a", "b", "a"], "dflt") == ("a", "b")
+    with pytest.raises(ValueError, match="served_model_name"):
+        served_names(["a", " "], "dflt")
 
 
 def test_completion_stream_equals_non_stream(client):

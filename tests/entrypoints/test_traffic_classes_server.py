@@ -20,7 +20,7 @@ def server():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=300, max_num_seqs=2, traffic_classes=json.dumps(CLASSES)))
-    app = build_app(engine)
+    app = build_app(engine, served_model_name="m")
     with serve_in_thread(app) as base:
         yield base, engine
 

@@ -156,15 +156,21 @@ def test_a_replica_killed_mid_run(replicas):
 
 def test_serve_data_parallel_size_starts_replicas_behind_the_router():
     """`serve --data-parallel-size 2`: two replicas on the ports after --port, the router on --port; a
-    SIGTERM stops all three."""
+    SIGTERM stops all three. The replicas serve --served-model-name's aliases; an unknown `model` is their
+    404 model_not_found, passed through the router (not retried)."""
     import signal
     from pagedserve.router.replicas import replica_argv
     assert replica_argv(["m.gguf", "--port", "9", "--data-parallel-size=2", "--num-kv-blocks", "40"], 8001, 1) == \
         ["m.gguf", "--num-kv-blocks", "40", "--host", "127.0.0.1", "--port", "8001", "--num-threads", "1"]
-    with serve_in_process(["--data-parallel-size", "2", "--num-kv-blocks", "40", "--no-dashboard"],
-                          ready_timeout=240, ports=3) as (base, proc):
+    with serve_in_process(["--data-parallel-size", "2", "--num-kv-blocks", "40", "--no-dashboard",
+                           "--served-model-name", "m", "alias"], ready_timeout=240, ports=3) as (base, proc):
         rs = _run(base, family_prompts(5, n_families=2, per_family=3))
         assert all(r.status_code == 200 for r in rs)
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["m", "alias"]
+        r = httpx.post(base + "/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "m"
+        r = httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "Hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
         state = httpx.get(base + "/router/state").json()
         assert len(state["replicas"]) == 2 and all(r["healthy"] for r in state["replicas"])
         port = int(base.rsplit(":", 1)[1])
