@@ -38,6 +38,16 @@ async def health(http: Request):
     return {"status": "ok"}
 
 
+@router.get("/v1/models/{model:path}")
+async def model(model: str, http: Request):
+    """One model of /v1/models by its id (OpenAI's retrieve); 404 naming `model` when it is not served."""
+    found = [m for m in (await models(http))["data"] if m["id"] == model]
+    if not found:
+        raise RequestError("model", f"model: {model!r} is not served (see /v1/models)", 404, "invalid_request_error",
+                           code="model_not_found")
+    return found[0]
+
+
 @router.get("/v1/models")
 async def models(http: Request):
     """The served model, and with --enable-lora each loaded adapter (its parent: the served model)."""
