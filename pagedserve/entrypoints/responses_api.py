@@ -25,7 +25,7 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, NamedFunction,
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
-                                             to_sampling_params)
+                                             refuse_unsupported, to_sampling_params)
 from pagedserve.entrypoints.responses import Usage, admit, collect, deltas, model_name, sse, state
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
@@ -178,6 +178,7 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, http: Request):
     st = state(http)
+    refuse_unsupported(body)
     if body.background:
         raise RequestError("background", "background: background responses are not supported")
     if body.truncation not in (None, "disabled"):

@@ -41,10 +41,16 @@ LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
 
 # (path, field) -> why a valid value of it is a 400 naming the field (features this server does not have)
 REFUSED = {
+    ("/chat/completions", "moderation"): "no moderation is run",
     ("/completions", "suffix"): "no insertion (fill-in-the-middle) mode",
+    ("/responses", "moderation"): "no moderation is run",
     ("/responses", "prompt"): "no stored prompt templates",
     ("/responses", "conversation"): "no stored conversations (previous_response_id is served)",
+    ("/responses", "truncation"): "'auto' (dropping the conversation's first items) is not done",
+    ("/embeddings", "dimensions"): "only a model's own (matryoshka) dimensions",
 }
+# fields whose sample names something that does not exist here: a 404 naming the field
+NOT_FOUND = {("/responses", "previous_response_id")}
 
 
 # ---------------------------------------------------------------- the pinned spec
@@ -168,7 +174,8 @@ def server():
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
     engine = LLMEngine(EngineArgs(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=4))
-    with serve_in_thread(build_app(engine, dashboard=False)) as base:
+    # a tool-call parser: tools with the spec's default tool_choice ("auto") are served, not refused
+    with serve_in_thread(build_app(engine, dashboard=False, tool_call_parser="hermes")) as base:
         yield base + "/v1"
 
 
@@ -180,13 +187,20 @@ def sse_events(text: str) -> list[dict]:
     return out
 
 
-def stream_gap(path: str, event: dict) -> dict:
-    """The spec gives a completions stream's chunks the whole response's schema, whose finish_reason is
-    not nullable; OpenAI itself sends null until the last chunk (as the SDK's types allow): read that
-    null as a finish reason so that the rest of the chunk is still checked."""
+def completion_gaps(path: str, body: dict) -> dict:
+    """Two nulls OpenAI itself sends where its spec's text_completion has none (the SDK's types allow
+    both): a stream chunk's finish_reason until the last chunk (the spec gives chunks the whole response's
+    schema), and with echo the first prompt token's logprob (nothing before it to predict it). Read as
+    values, so that the rest of the body is still checked."""
     if path != "/completions":
-        return event
-    return event | {"choices": [c | {"finish_reason": c["finish_reason"] or "stop"} for c in event["choices"]]}
+        return body
+    def choice(c: dict) -> dict:
+        lp = c.get("logprobs")
+        if lp:
+            lp = lp | {"token_logprobs": [0.0 if v is None else v for v in lp["token_logprobs"]],
+                       "top_logprobs": [{} if v is None else v for v in lp["top_logprobs"]]}
+        return c | {"finish_reason": c["finish_reason"] or "stop", "logprobs": lp}
+    return body | {"choices": [choice(c) for c in body["choices"]]}
 
 
 def check_answer(path: str, r: httpx.Response, stream: bool) -> None:
@@ -195,15 +209,15 @@ def check_answer(path: str, r: httpx.Response, stream: bool) -> None:
         events = sse_events(r.text)
         assert events, r.text
         for ev in events:
-            assert_valid(STREAM_SCHEMAS[path], stream_gap(path, ev))
+            assert_valid(STREAM_SCHEMAS[path], completion_gaps(path, ev))
     else:
-        assert_valid(RESPONSE_SCHEMAS[path], r.json())
+        assert_valid(RESPONSE_SCHEMAS[path], completion_gaps(path, r.json()))
 
 
 def check_refusal(r: httpx.Response, field: str) -> None:
     assert_valid("ErrorResponse", r.json())
     err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and (err["param"] or "").split(".")[0] == field, r.text
+    assert err["type"] in ("invalid_request_error", "not_found_error") and (err["param"] or "").split(".")[0] == field, r.text
 
 
 # ---------------------------------------------------------------- the spec's own consistency
@@ -317,8 +331,8 @@ def body_for(path: str, field: str, value: Any) -> dict:
 def test_every_optional_field(server, path, field, value):
     r = httpx.post(server + path, json=body_for(path, field, value), timeout=60)
     assert r.status_code < 500, r.text
-    if (path, field) in REFUSED and value is not None and r.status_code != 200:
-        assert r.status_code == 400, r.text
+    if (path, field) in REFUSED.keys() | NOT_FOUND and value is not None and r.status_code != 200:
+        assert r.status_code == (404 if (path, field) in NOT_FOUND else 400), r.text
         check_refusal(r, field)
         return
     assert r.status_code == 200, f"{field}={json.dumps(value)[:300]}: {r.text}"
