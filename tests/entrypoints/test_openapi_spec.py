@@ -265,6 +265,10 @@ def test_models_list_validates(server):
     assert r.status_code == 200
     assert_valid("ListModelsResponse", r.json())
     assert_valid("Model", httpx.get(server + "/models/" + r.json()["data"][0]["id"], timeout=60).json())
+    missing = httpx.get(server + "/models/no-such-model", timeout=60)
+    assert missing.status_code == 404
+    check_refusal(missing, "model")
+    assert missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_with_logprobs_and_n_validates(server):
@@ -308,6 +312,8 @@ def test_responses_function_call_validates(server):
 @pytest.mark.parametrize("path,body,param", [
     ("/chat/completions", {"messages": None}, "messages"),
     ("/chat/completions", {"messages": USER, "temperature": "hot"}, "temperature"),
+    ("/chat/completions", {"messages": USER, "stream_options": {"include_usage": "x"}}, "stream_options"),
+    ("/responses", {"input": "Hi", "stream_options": {"x": 1}}, "stream_options"),
     ("/completions", {"prompt": "Hi", "n": 0}, "n"),
     ("/embeddings", {"input": "Hi", "encoding_format": "hex"}, "encoding_format"),
     ("/responses", {"input": "Hi", "max_output_tokens": -1}, "max_output_tokens"),
