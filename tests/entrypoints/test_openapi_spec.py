@@ -225,7 +225,8 @@ def check_answer(path: str, r: httpx.Response, stream: bool) -> None:
 def check_refusal(r: httpx.Response, field: str) -> None:
     assert_valid("ErrorResponse", r.json())
     err = r.json()["error"]
-    assert err["type"] in ("invalid_request_error", "not_found_error") and (err["param"] or "").split(".")[0] == field, r.text
+    assert err["type"] in ("invalid_request_error", "not_found_error"), r.text
+    assert (err["param"] or "").split(".")[0] == field, r.text
 
 
 # ---------------------------------------------------------------- the spec's own consistency
