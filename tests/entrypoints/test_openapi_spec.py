@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
+from pydantic import TypeAdapter
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
@@ -196,10 +197,11 @@ def sse_events(text: str) -> list[dict]:
 
 
 def completion_gaps(path: str, body: dict) -> dict:
-    """Two nulls OpenAI itself sends where its spec's text_completion has none (the SDK's types allow
-    both): a stream chunk's finish_reason until the last chunk (the spec gives chunks the whole response's
-    schema), and with echo the first prompt token's logprob (nothing before it to predict it). Read as
-    values, so that the rest of the body is still checked."""
+    """Two nulls OpenAI itself sends where its spec's text_completion (and the SDK's Completion type) has
+    none: a stream chunk's finish_reason until the last chunk (the spec gives chunks the whole response's
+    schema), and with echo the first prompt token's logprob (nothing before it to predict it). The SDK's
+    client builds its objects without validating, so clients take them. Read as values, so that the rest
+    of the body is still checked."""
     if path != "/completions":
         return body
     def choice(c: dict) -> dict:
@@ -211,15 +213,27 @@ def completion_gaps(path: str, body: dict) -> dict:
     return body | {"choices": [choice(c) for c in body["choices"]]}
 
 
+@functools.cache
+def sdk_type(path: str, stream: bool) -> TypeAdapter:
+    """The openai SDK's own type of an answer (what its client parses it as)."""
+    from openai.types import Completion, CreateEmbeddingResponse
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+    types = {("/chat/completions", False): ChatCompletion, ("/chat/completions", True): ChatCompletionChunk,
+             ("/completions", False): Completion, ("/completions", True): Completion,
+             ("/responses", False): Response, ("/responses", True): ResponseStreamEvent,
+             ("/embeddings", False): CreateEmbeddingResponse}
+    return TypeAdapter(types[path, stream])
+
+
 def check_answer(path: str, r: httpx.Response, stream: bool) -> None:
-    """A 200's body (or every event of its stream) valid against the spec's response schema."""
-    if stream:
-        events = sse_events(r.text)
-        assert events, r.text
-        for ev in events:
-            assert_valid(STREAM_SCHEMAS[path], completion_gaps(path, ev))
-    else:
-        assert_valid(RESPONSE_SCHEMAS[path], completion_gaps(path, r.json()))
+    """A 200's body (or every event of its stream) valid against the spec's response schema and the
+    openai SDK's type."""
+    for body in sse_events(r.text) if stream else [r.json()]:
+        body = completion_gaps(path, body)
+        assert_valid(STREAM_SCHEMAS[path] if stream else RESPONSE_SCHEMAS[path], body)
+        sdk_type(path, stream).validate_python(body)
+    assert not stream or sse_events(r.text), r.text
 
 
 def check_refusal(r: httpx.Response, field: str) -> None:
@@ -265,6 +279,8 @@ def test_models_list_validates(server):
     r = httpx.get(server + "/models", timeout=60)
     assert r.status_code == 200
     assert_valid("ListModelsResponse", r.json())
+    from openai.types import Model
+    TypeAdapter(list[Model]).validate_python(r.json()["data"])
     assert_valid("Model", httpx.get(server + "/models/" + r.json()["data"][0]["id"], timeout=60).json())
     missing = httpx.get(server + "/models/no-such-model", timeout=60)
     assert missing.status_code == 404
