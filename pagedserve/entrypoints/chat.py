@@ -58,7 +58,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
 
 def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, top: int, mode: str) -> dict:
-    text, message = o.text, {"role": "assistant"}
+    text, message = o.text, {"role": "assistant", "refusal": None}     # refusal: required (null) by OpenAI's spec
     if st.reasoning_parser:
         message["reasoning_content"], text = reasoning.split(st.reasoning_parser, text)
     message["content"] = text

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse   # (fastapi.responses re-exports i
 
 class RequestError(Exception):
     """An error answered to the client in OpenAI's error JSON; `param` names the field at fault, `code`
-    is OpenAI's string code where it has one (else the body's code is the status)."""
+    is OpenAI's string code where it has one (else null: OpenAI's spec types it string or null)."""
 
     def __init__(self, param: str | None, message: str, status: int = 400, type_: str = "invalid_request_error",
                  code: str | None = None):
@@ -18,7 +18,8 @@ class RequestError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status if code is None else code}}
+    # `status` is the HTTP status; OpenAI's error code is a string or null, never the status
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 # Anthropic's error types by HTTP status (its SDK picks the exception class by the status)

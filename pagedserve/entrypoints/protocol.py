@@ -14,8 +14,11 @@ from pagedserve.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_
 INT32_MAX = 2**31 - 1
 # accepted and ignored: they change nothing a single-model server without storage does
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "prompt_cache_options",
                   # chat: audio output is refused by `modalities`; no web search; a prediction changes only speed
-                  "audio", "prediction", "web_search_options", "verbosity", "stream_options.include_obfuscation")
+                  "audio", "prediction", "web_search_options", "verbosity", "stream_options.include_obfuscation",
+                  # responses: no built-in tools for max_tool_calls to count, no compaction, no output logprobs
+                  "max_tool_calls", "context_management", "top_logprobs", "include", "reasoning", "text.verbosity")
 
 
 def check_utf8(value: Any) -> Any:
@@ -198,7 +201,10 @@ class ChatCompletionRequest(_Common):
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     modalities: list[Literal["text", "audio"]] | None = None    # "audio" is a 400 (text output only)
+    moderation: dict[str, Any] | None = None     # only null: no moderation is run (refuse_unsupported)
     # accepted and ignored (IGNORED_FIELDS)
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
@@ -227,6 +233,10 @@ class ResponsesToolChoice(NamedFunction):
     type: Literal["function"]
 
 
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: bool | None = None     # accepted and ignored (no obfuscation padding)
+
+
 class ResponsesReasoning(_Body):
     effort: str | None = None             # accepted and ignored: the model decides how long it thinks
     summary: str | None = None
@@ -251,6 +261,17 @@ class ResponsesRequest(_Sampling):
     background: bool = False
     truncation: str | None = None
     include: list[str] | None = None      # accepted and ignored (no logprobs / encrypted reasoning to include)
+    stream_options: ResponsesStreamOptions | None = None
+    # only null (refuse_unsupported): no stored prompt templates, conversations or moderation
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # accepted and ignored (IGNORED_FIELDS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tool_calls: int | None = Field(None, ge=0)
+    context_management: list[dict[str, Any]] | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(_Body):
@@ -329,10 +350,22 @@ def to_sampling_params(req: _Common, max_tokens: int | None, logprobs: int | Non
         structured_outputs=constraint if constraint is not None else structured_outputs(req), **extra)
 
 
+# field -> why a non-null value is refused (a 400 naming it): OpenAI features this server does not have
+UNSUPPORTED = {"moderation": "no moderation is run", "prompt": "no stored prompt templates",
+               "conversation": "no stored conversations (previous_response_id continues a stored response)"}
+
+
+def refuse_unsupported(req: ChatCompletionRequest | ResponsesRequest) -> None:
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name, None) is not None:
+            raise ParamError(name, f"{name}: not supported ({why})")
+
+
 def legacy_functions(req: ChatCompletionRequest) -> None:
     """OpenAI's deprecated function calling as what replaced it: `functions` become tools of type function,
     `function_call` the tool_choice (a ParamError naming the field when both forms are given); and
     `modalities` asking for audio is refused (the server writes text)."""
+    refuse_unsupported(req)
     if req.modalities is not None and "audio" in req.modalities:
         raise ParamError("modalities", "modalities: only text output is supported (no audio)")
     if req.functions is not None:

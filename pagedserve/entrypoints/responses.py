@@ -320,4 +320,4 @@ def chat_logprobs(tokenizer, o: CompletionOutput, top: int) -> dict | None:
         content.append({"token": s, "logprob": lp[t].logprob, "bytes": list(s.encode()),
                         "top_logprobs": [{"token": tokenizer.decode([k]), "logprob": v.logprob,
                                           "bytes": list(tokenizer.decode([k]).encode())} for k, v in tops]})
-    return {"content": content}
+    return {"content": content, "refusal": None}     # refusal: required (null) by OpenAI's spec

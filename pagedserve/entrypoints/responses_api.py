@@ -25,7 +25,7 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints import reasoning, tool_calls
 from pagedserve.entrypoints.protocol import (ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, NamedFunction,
                                              NamedToolChoice, ResponseFormat, ResponsesRequest, Tool,
-                                             to_sampling_params)
+                                             refuse_unsupported, to_sampling_params)
 from pagedserve.entrypoints.responses import Usage, admit, check_model, collect, deltas, model_name, sse, state
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
@@ -179,6 +179,7 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 async def create_response(body: ResponsesRequest, http: Request):
     st = state(http)
     check_model(st, body.model)
+    refuse_unsupported(body)
     if body.background:
         raise RequestError("background", "background: background responses are not supported")
     if body.truncation not in (None, "disabled"):
@@ -252,8 +253,8 @@ def _shell(st: ServerState, body: ResponsesRequest, rid: str, created: int) -> d
                             else body.tool_choice.model_dump()) or "auto",
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning.model_dump() if body.reasoning else None, "store": body.store,
-            "text": {"format": fmt}, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
-            "usage": None}
+            "text": {"format": fmt}, "truncation": "disabled", "metadata": body.metadata or {}} | \
+        ({"user": body.user} if body.user is not None else {})   # `user` and `usage`: not nullable in OpenAI's spec
 
 
 def _message_item(text: str, status: str = "completed") -> dict:
@@ -292,7 +293,9 @@ def _items(st: ServerState, chat: ChatCompletionRequest, mode: str, text: str) -
 def _usage(st: ServerState, cached: int, prompt: int, out: int, items: list[dict]) -> dict:
     thought = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
     n_thought = len(st.engine.tokenizer(thought, add_special_tokens=False)["input_ids"]) if thought else 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+    # cache_write_tokens: what is billed for writing a cache, which nothing here is
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": out,
             "output_tokens_details": {"reasoning_tokens": min(n_thought, out)}, "total_tokens": prompt + out}
 
 

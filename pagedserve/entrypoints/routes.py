@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from pagedserve.entrypoints import chat, completions, embeddings, messages, responses_api
 from pagedserve.entrypoints.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                              UnloadLoRAAdapterRequest, message_dict)
-from pagedserve.entrypoints.responses import check_model, state as _state
+from pagedserve.entrypoints.responses import check_model, model_not_found, state as _state
 from pagedserve.entrypoints.http_errors import RequestError, error_response
 from pagedserve.errors import EngineDeadError
 from pagedserve.tokenizer import apply_chat_template
@@ -36,6 +36,15 @@ async def health(http: Request):
         return error_response(503, "the server is shutting down", type_="server_shutting_down",
                               headers={"Retry-After": "5"})
     return {"status": "ok"}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, http: Request):
+    """One model of /v1/models by its id (OpenAI's retrieve); 404 naming `model` when it is not served."""
+    found = [m for m in (await models(http))["data"] if m["id"] == model]
+    if not found:
+        raise model_not_found(_state(http), model)
+    return found[0]
 
 
 @router.get("/v1/models")

@@ -111,6 +111,13 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def _union_member(loc: str) -> bool:
+    """A union type adds the member's type name to an error's location (not a field: left out of `param`).
+    Whole names only: a field may begin like one (`stream_options`, `integer_field`)."""
+    return loc in ("str", "int", "float", "bool") or loc.startswith(("list[", "dict[", "function-", "literal[",
+                                                                      "tagged-union[", "nullable["))
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(http: Request, exc: RequestValidationError):
@@ -118,8 +125,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         if err.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {err.get('msg', '')}", path=http.url.path)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        # a union type adds the member's type name to the location: keep the field path only
-        field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-"))) or None
+        field = ".".join(x for x in loc if not _union_member(x)) or None
         if err.get("type") == "extra_forbidden":
             return error_response(400, f"{field}: unknown field (pagedserve does not support it; the README lists "
                                        f"the fields it accepts and ignores)", field, path=http.url.path)

@@ -24,7 +24,7 @@ FORWARDED = ("/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, type_: str = "router_error") -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return {"error": {"message": message, "type": type_, "param": None, "code": None}}
 
 
 def prompt_text(body: dict) -> str:

@@ -75,8 +75,8 @@ def test_hostile_input_is_a_clear_4xx(base, name, path, body, status, field):
     r = httpx.post(base + path, content=content, headers=H, timeout=60)
     assert r.status_code == status, r.text[:500]
     err = r.json()["error"]
-    # OpenAI's string code where it has one (a prompt over the context), else the status
-    assert err["code"] == ("context_length_exceeded" if name == "1M-character prompt" else status) and err["message"]
+    # OpenAI's string code where it has one (a prompt over the context), else null (never the status)
+    assert err["code"] == ("context_length_exceeded" if name == "1M-character prompt" else None) and err["message"]
     if field is not None:
         assert err["param"] == field or err["param"].startswith(field), err
     ok = httpx.post(base + C, headers=H, json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}, timeout=60)
@@ -88,4 +88,4 @@ def test_wrong_content_type_and_method(base):
                                                           "content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.get(base + C, headers=H)
-    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    assert r.status_code == 405 and r.json()["error"]["code"] is None

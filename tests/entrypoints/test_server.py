@@ -297,7 +297,7 @@ def test_bad_fields_give_400_naming_them(server, body, field):
     r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert field in err["message"] and err["code"] == 400
+    assert field in err["message"] and err["code"] is None
 
 
 def test_prompt_over_max_model_len_and_malformed_and_oversized(server):
