@@ -9,6 +9,7 @@ import logging
 import sys
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.startup import StartupTimer, process_age_s
 
 
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
@@ -51,7 +52,8 @@ def runs_as_worker(ns) -> bool:
 
 def cmd_generate(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineArgs.from_cli_args(ns))
+    ns.startup.mark("imports")
+    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
     try:
         params = sampling_from(ns)
         prompt = ns.prompt
@@ -79,7 +81,8 @@ def _stream(eng, prompt, params) -> str:
 
 def cmd_chat(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineArgs.from_cli_args(ns))
+    ns.startup.mark("imports")
+    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
     try:
         return _chat(eng, ns)
     finally:
@@ -242,9 +245,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = StartupTimer()
+    if argv is None and (age := process_age_s()) is not None:      # a process of its own: its start counts too
+        startup.add("python", age)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else "").parse_args(argv)
-    ns.argv = argv
+    ns.argv, ns.startup = argv, startup
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
