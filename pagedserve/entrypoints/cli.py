@@ -40,7 +40,8 @@ def json_list(text: str) -> list[str]:
 def runs_as_worker(ns) -> bool:
     """Under torchrun with --distributed-executor-backend external_launcher, every rank runs the same
     engine command: rank 0 is the engine, the others run the tensor-parallel worker loop (returns True)."""
-    if ns.cmd not in ("generate", "chat", "serve"):
+    if ns.cmd not in ("generate", "chat", "serve") or getattr(ns, "distributed_executor_backend", None) != \
+            "external_launcher":            # (asked before importing the executor: it imports torch)
         return False
     from pagedserve.distributed.executor import is_external_worker, run_worker_from_env
     args = EngineArgs.from_cli_args(ns)
@@ -128,17 +129,36 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def _port_busy(ns, why: str) -> int:
+    print(f"error: --port {ns.port}: cannot listen on {ns.host}:{ns.port} ({why}); choose another --port "
+          "or stop what holds it", file=sys.stderr)
+    return 1
+
+
 def cmd_serve(ns) -> int:
-    from pagedserve.entrypoints.server import run_server
-    busy = port_in_use(ns.host, ns.port)
-    if busy is not None:
-        print(f"error: --port {ns.port}: cannot listen on {ns.host}:{ns.port} ({busy}); choose another --port "
-              "or stop what holds it", file=sys.stderr)
-        return 1
+    """The port is bound first, before torch, FastAPI or the model load (pagedserve.entrypoints.front):
+    a busy port fails at once, and /health answers 503 with the start-up phase until the engine is ready."""
     if ns.data_parallel_size != 1:
+        busy = port_in_use(ns.host, ns.port)
+        if busy is not None:
+            return _port_busy(ns, busy)
         from pagedserve.router.replicas import run_data_parallel
         return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])
-    return run_server(EngineArgs.from_cli_args(ns), ns)
+    from pagedserve.entrypoints.front import Front
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        front = Front(ns.startup, ns.host, ns.port)
+    except OSError as e:
+        return _port_busy(ns, e.strerror or str(e))
+    ns.startup.current = "imports"
+    front.start()
+    try:
+        from pagedserve.entrypoints.server import run_server
+    except BaseException:
+        front.stop()
+        raise
+    ns.startup.mark("imports")
+    return run_server(args, ns, front)
 
 
 def _log_level_flag(p: argparse.ArgumentParser, default: str) -> None:
