@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
 
+from pagedserve import kernels
 from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -41,6 +43,32 @@ from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Background:
+    """fn(*args) on a daemon thread from now; result() waits for it and returns it or raises its error.
+    The tokenizer loads this way beside the model (transformers' import and the tokenizer file: ~1-2 s,
+    much of it while the model load's torch calls hold no GIL). A daemon thread: a model load that fails
+    first does not wait for it to exit."""
+
+    def __init__(self, fn, *args):
+        self._value, self._error, self.seconds = None, None, 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pagedserve-startup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = fn(*args)
+        except BaseException as e:       # handed to result()'s caller
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class EngineCore:
@@ -97,14 +125,19 @@ class EngineCore:
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
+        tokenizer = Background(load_tokenizer, self.source)   # beside the model load (issue 56)
+        if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
+            kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else
+                             ("paged_attention", "layer_ops"))
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
                                                    dense_copy, args.max_num_batched_tokens if args.batch_invariant
                                                    else args.packed_rows)
         if args.batch_invariant and self.model.fused is None:
             raise ValueError(f"batch_invariant needs every layer in the fused native call, and this model's "
                              f"cannot be: {FusedDecode.refusal(self.model)}")
-        with phase("tokenizer"):
-            self.tokenizer = load_tokenizer(self.source)
+        with phase("tokenizer"):        # (the wait for it: most of its load ran beside the model's)
+            self.tokenizer = tokenizer.result()
+        log.info("tokenizer: loaded in %.2f s, beside the model load", tokenizer.seconds)
         self.model_pooling = read_pooling_config(self.source)     # how embedding requests pool by default
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
