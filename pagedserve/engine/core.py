@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
 
+from pagedserve import kernels
 from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -20,6 +22,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
+from pagedserve.engine.startup import StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
@@ -42,9 +45,45 @@ log = logging.getLogger("pagedserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Background:
+    """fn(*args) on a daemon thread from now; result() waits for it and returns it or raises its error.
+    The tokenizer loads this way beside the model (transformers' import and the tokenizer file: ~1-2 s,
+    much of it while the model load's torch calls hold no GIL). A daemon thread: a model load that fails
+    first does not wait for it to exit."""
+
+    def __init__(self, fn, *args):
+        self._value, self._error, self.seconds = None, None, 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pagedserve-startup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = fn(*args)
+        except BaseException as e:       # handed to result()'s caller
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class EngineCore:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None):
+        """startup: the record to time the build into (the CLI's, which began with the imports); a new one
+        when not given. Read it as `engine.startup`."""
         self.args = args
+        self.startup = timer = startup or StartupTimer()
+        with activate(timer):
+            self._init(args)
+        timer.done()
+        mem = {"weights": self.weights_bytes / 2**20, "KV pool": self.kv_cache_bytes / 2**20}
+        log.info("%s", timer.summary(mem))
+
+    def _init(self, args: EngineArgs) -> None:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device cuda: no CUDA device is visible (torch {torch.__version__}"
                              f"{', built without CUDA' if torch.version.cuda is None else ''})")
@@ -53,12 +92,14 @@ class EngineCore:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         t0 = time.perf_counter()
-        self.source = resolve_model(args.model, args.revision)
-        dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
-        log.info("dtype %s (%s)", dtype_name, why)
-        if args.tensor_parallel_size > 1:       # before any worker starts
-            check_tensor_parallel(read_model_config(self.source), args.tensor_parallel_size)
-        self.executor = make_executor(args, self.source, dtype_name)
+        with phase("resolve model"):
+            self.source = resolve_model(args.model, args.revision)
+            dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
+            log.info("dtype %s (%s)", dtype_name, why)
+        with phase("executor"):
+            if args.tensor_parallel_size > 1:       # before any worker starts
+                check_tensor_parallel(read_model_config(self.source), args.tensor_parallel_size)
+            self.executor = make_executor(args, self.source, dtype_name)
         try:
             self._build(_DTYPES[dtype_name])
         except BaseException:
@@ -84,13 +125,19 @@ class EngineCore:
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
+        tokenizer = Background(load_tokenizer, self.source)   # beside the model load (issue 56)
+        if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
+            kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else
+                             ("paged_attention", "layer_ops"))
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
                                                    dense_copy, args.max_num_batched_tokens if args.batch_invariant
                                                    else args.packed_rows)
         if args.batch_invariant and self.model.fused is None:
             raise ValueError(f"batch_invariant needs every layer in the fused native call, and this model's "
                              f"cannot be: {FusedDecode.refusal(self.model)}")
-        self.tokenizer = load_tokenizer(self.source)
+        with phase("tokenizer"):        # (the wait for it: most of its load ran beside the model's)
+            self.tokenizer = tokenizer.result()
+        log.info("tokenizer: loaded in %.2f s, beside the model load", tokenizer.seconds)
         self.model_pooling = read_pooling_config(self.source)     # how embedding requests pool by default
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
@@ -118,9 +165,18 @@ class EngineCore:
         # every GEMM shape a step can meet built now, before the plan reads the free memory (model/gemm.py)
         k = spec.num_speculative_tokens if spec is not None else 0
         head_rows = min(args.max_num_batched_tokens, max(args.max_num_seqs * (1 + k), PROMPT_LOGPROBS_ROWS))
-        for name, m in (("model", self.model), ("draft model", draft)):
-            if m is not None:
-                log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
+        mark("plan")
+        with phase("GEMM shapes"):
+            for name, m in (("model", self.model), ("draft model", draft)):
+                if m is not None:
+                    log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
+        with phase("KV pool"):
+            self._build_pool(args, cfg, layout, kv_dtype, draft)
+        with phase("finish"):
+            self._finish(args, cfg, spec, draft)
+
+    def _build_pool(self, args: EngineArgs, cfg, layout: KVLayout, kv_dtype: torch.dtype, draft) -> None:
+        """The KV pool sized, the cache manager, the scheduler and the runner (which allocates the pool)."""
         num_blocks = self._size_kv_pool(kv_dtype)
         classes = TrafficClasses.parse(args.traffic_classes)
         swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))
@@ -147,8 +203,12 @@ class EngineCore:
                  args.attention_backend, f"off ({graphs_off})" if graphs_off else self.runner.graphs_note)
         if draft is not None:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
-        self.kv_cache_bytes = self.runner.kv_cache_bytes * tp.size + (
+        self.kv_cache_bytes = self.runner.kv_cache_bytes * self.executor.tp.size + (
             self.runner.drafter.kv_cache_bytes if draft is not None else 0)
+
+    def _finish(self, args: EngineArgs, cfg, spec, draft) -> None:
+        """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation."""
+        classes = self.scheduler.classes
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)

@@ -11,6 +11,7 @@ import logging
 from pagedserve.config import EngineArgs
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.core import EngineCore
+from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestFailure, RequestOutput
 from pagedserve.errors import ParamError
@@ -23,8 +24,9 @@ Delivery = tuple[RequestState, RequestOutput]      # an output and the state of 
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs):
-        self.core = EngineCore(args or EngineArgs(**kwargs))
+    def __init__(self, args: EngineArgs | None = None, startup: StartupTimer | None = None, **kwargs):
+        """startup: the start-up record to time into (the CLI's, begun before its imports); read `engine.startup`."""
+        self.core = EngineCore(args or EngineArgs(**kwargs), startup)
         self.tokenizer = self.core.tokenizer
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.outputs = OutputProcessor(self.tokenizer, self.core.counters)

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.startup import StartupTimer, process_age_s
 
 
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
@@ -39,7 +40,8 @@ def json_list(text: str) -> list[str]:
 def runs_as_worker(ns) -> bool:
     """Under torchrun with --distributed-executor-backend external_launcher, every rank runs the same
     engine command: rank 0 is the engine, the others run the tensor-parallel worker loop (returns True)."""
-    if ns.cmd not in ("generate", "chat", "serve"):
+    if ns.cmd not in ("generate", "chat", "serve") or getattr(ns, "distributed_executor_backend", None) != \
+            "external_launcher":            # (asked before importing the executor: it imports torch)
         return False
     from pagedserve.distributed.executor import is_external_worker, run_worker_from_env
     args = EngineArgs.from_cli_args(ns)
@@ -51,7 +53,8 @@ def runs_as_worker(ns) -> bool:
 
 def cmd_generate(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineArgs.from_cli_args(ns))
+    ns.startup.mark("imports")
+    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
     try:
         params = sampling_from(ns)
         prompt = ns.prompt
@@ -79,7 +82,8 @@ def _stream(eng, prompt, params) -> str:
 
 def cmd_chat(ns) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineArgs.from_cli_args(ns))
+    ns.startup.mark("imports")
+    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
     try:
         return _chat(eng, ns)
     finally:
@@ -125,17 +129,36 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def _port_busy(ns, why: str) -> int:
+    print(f"error: --port {ns.port}: cannot listen on {ns.host}:{ns.port} ({why}); choose another --port "
+          "or stop what holds it", file=sys.stderr)
+    return 1
+
+
 def cmd_serve(ns) -> int:
-    from pagedserve.entrypoints.server import run_server
-    busy = port_in_use(ns.host, ns.port)
-    if busy is not None:
-        print(f"error: --port {ns.port}: cannot listen on {ns.host}:{ns.port} ({busy}); choose another --port "
-              "or stop what holds it", file=sys.stderr)
-        return 1
+    """The port is bound first, before torch, FastAPI or the model load (pagedserve.entrypoints.front):
+    a busy port fails at once, and /health answers 503 with the start-up phase until the engine is ready."""
     if ns.data_parallel_size != 1:
+        busy = port_in_use(ns.host, ns.port)
+        if busy is not None:
+            return _port_busy(ns, busy)
         from pagedserve.router.replicas import run_data_parallel
         return run_data_parallel(ns, ns.argv[ns.argv.index("serve") + 1:])
-    return run_server(EngineArgs.from_cli_args(ns), ns)
+    from pagedserve.entrypoints.front import Front
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        front = Front(ns.startup, ns.host, ns.port)
+    except OSError as e:
+        return _port_busy(ns, e.strerror or str(e))
+    ns.startup.current = "imports"
+    front.start()
+    try:
+        from pagedserve.entrypoints.server import run_server
+    except BaseException:
+        front.stop()
+        raise
+    ns.startup.mark("imports")
+    return run_server(args, ns, front)
 
 
 def _log_level_flag(p: argparse.ArgumentParser, default: str) -> None:
@@ -244,9 +267,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = StartupTimer()
+    if argv is None and (age := process_age_s()) is not None:      # a process of its own: its start counts too
+        startup.add("python", age)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else "").parse_args(argv)
-    ns.argv = argv
+    ns.argv, ns.startup = argv, startup
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

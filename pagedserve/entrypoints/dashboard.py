@@ -95,6 +95,7 @@ def snapshot(engine, recorder: StateRecorder) -> dict:
     c, cfg = engine.counters, sch.cfg
     return {
         "time": round(now, 3), "step": c.steps, "model": engine.source.name,
+        "startup": startup.as_dict() if (startup := getattr(engine, "startup", None)) is not None else None,
         "config": {"num_blocks": pool.num_blocks, "block_size": bs, "num_host_blocks": kv.num_host_blocks,
                    "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                    "max_model_len": cfg.max_model_len, "prefix_caching": kv.enable_caching},

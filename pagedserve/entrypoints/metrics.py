@@ -46,6 +46,12 @@ class ServerMetrics:
         g("block_size", "Tokens per KV block").set(engine.args.block_size)
         g("max_num_seqs", "Configured max_num_seqs").set(engine.args.max_num_seqs)
         g("max_num_batched_tokens", "Configured token budget per step").set(engine.args.max_num_batched_tokens)
+        startup = getattr(engine, "startup", None)
+        if startup is not None:                 # the start-up record (pagedserve/engine/startup.py), a gauge per phase
+            phases = g("startup_phase_seconds", "Seconds each start-up phase took", "phase")
+            for name, secs in startup.seconds().items():
+                phases.labels(name).set(secs)
+            g("startup_seconds", "Seconds from the process's start (or the engine's) to ready").set(startup.total_s)
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = c("num_preemptions", "Preemptions")

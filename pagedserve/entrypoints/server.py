@@ -23,6 +23,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.http_errors import RequestError, error_body, error_response  # noqa: F401 (the app's vocabulary)
+from pagedserve.entrypoints.front import Front, StopLoading
 from pagedserve.entrypoints.metrics import ServerMetrics
 from pagedserve.entrypoints.routes import router
 from pagedserve.entrypoints.server_state import ServerState, served_names, system_fingerprint
@@ -222,12 +223,12 @@ async def drain(state: ServerState, timeout_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-def run_server(args: EngineArgs, ns) -> int:
-    """Serve until SIGTERM (graceful: exit 0) or SIGINT; exit 1 if the engine dies. The engine steps
+def run_server(args: EngineArgs, ns, front: Front) -> int:
+    """Serve on `front` (its port bound and answering /health 503 with the phase since before the imports,
+    pagedserve.entrypoints.front) while the engine builds, then serve until SIGTERM (graceful: exit 0) or
+    SIGINT; exit 1 if the engine dies or cannot load (its reason in one line on stderr). The engine steps
     on the main thread; uvicorn serves HTTP from a second thread."""
-    import threading
-
-    import uvicorn
+    import sys
 
     template = None
     if ns.chat_template:
@@ -235,17 +236,9 @@ def run_server(args: EngineArgs, ns) -> int:
             template = f.read()
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    engine = LLMEngine(args)
-    app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
-                    engine_thread=False, chat_template=template,
-                    tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                    dashboard=ns.dashboard, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
-                                    ns.allow_credentials))
-    state: ServerState = app.state.server
-    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
-    loop = asyncio.new_event_loop()
+    timer, server, loop = front.app.startup, front.server, front.loop
     exit_code = 0
+    state: ServerState | None = None
 
     async def shutdown():
         await drain(state, ns.shutdown_timeout)
@@ -253,6 +246,9 @@ def run_server(args: EngineArgs, ns) -> int:
         server.should_exit = True
 
     def on_signal(sig, frame):
+        if state is None:                 # still loading: stop now (the load ends where it is)
+            server.should_exit = True
+            raise StopLoading(sig)
         if sig == signal.SIGTERM and not state.draining:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(shutdown()))
         else:                             # SIGINT, or a second signal: stop now
@@ -265,19 +261,36 @@ def run_server(args: EngineArgs, ns) -> int:
         log.critical("the engine died; exiting in %.0f s so a supervisor restarts the server", ns.dead_engine_grace)
         loop.call_soon_threadsafe(loop.call_later, ns.dead_engine_grace, setattr, server, "should_exit", True)
 
-    def http():
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(server.serve())
-        finally:
-            state.aengine.shutdown()      # ends run() on the main thread
-
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    front.on_exit = lambda: state is not None and state.aengine.shutdown()   # ends run() on the main thread
+    try:
+        engine = LLMEngine(args, startup=timer)
+        timer.current = "server"
+    except StopLoading:
+        front.stop()
+        return 0
+    except Exception as e:                # the reason, in one line; no server left behind
+        front.stop()
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: the model could not be loaded: {type(e).__name__}: {reason}", file=sys.stderr)
+        return 1
+    try:
+        app = build_app(engine, ns.api_key, ns.served_model_name, ns.max_body_bytes, ns.request_timeout,
+                        engine_thread=False, chat_template=template,
+                        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                        dashboard=ns.dashboard, reasoning_parser=ns.reasoning_parser,
+                        cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods),
+                                        tuple(ns.allowed_headers), ns.allow_credentials))
+    except StopLoading:
+        front.stop()
+        engine.shutdown()
+        return 0
+    state = app.state.server
     state.aengine.on_dead = engine_died
     if ns.step_trace:
         from pagedserve.sim.calibrate import StepTrace
         state.aengine.on_stepped = StepTrace(ns.step_trace).record
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
     log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)
     if ns.dashboard:
         log.info("dashboard: http://%s:%d/dashboard%s", ns.host, ns.port, "#key=<api key>" if ns.api_key else "")
@@ -285,10 +298,11 @@ def run_server(args: EngineArgs, ns) -> int:
     # vLLM does: a full collection scans it in ~175 ms (2 cores), a stall of every stream whenever one runs
     gc.collect()
     gc.freeze()
-    t = threading.Thread(target=http, name="pagedserve-http", daemon=True)
-    t.start()
+    front.app.inner = app                 # from here every request reaches the real app
+    if front.done.is_set():               # the HTTP thread ended while loading (a signal raced the swap)
+        state.aengine.shutdown()
     state.aengine.run()
-    t.join()
+    front.thread.join()
     loop.close()
     engine.shutdown()                     # tensor-parallel workers leave (nothing with one rank)
     return exit_code

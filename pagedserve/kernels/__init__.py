@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -44,6 +45,8 @@ KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 KV_BF16_DOT = 3      # a bf16 cache whose prefill attention multiplies in bf16 (bf16_dots)
 _libs: dict[tuple[str, str], ctypes.CDLL | None] = {}     # (source, level) -> library
 _default: str | None = None          # the level load() gives when none is named (resolved once)
+_build_locks: dict[str, threading.Lock] = {}      # build path -> held while it compiles (prebuild, load)
+_locks_lock = threading.Lock()
 
 
 def cpu_flags() -> frozenset[str]:
@@ -110,24 +113,69 @@ def _build(level: str, source: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s uses the (slower) torch path", source)
         return None
     out, flags = build_path(level, cc, source)
-    if not os.path.isfile(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
-        os.close(fd)
-        src = os.path.join(os.path.dirname(__file__), source + ".c")
-        r = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            log.warning("building the %s %s kernels failed, using the torch path:\n%s", level, source,
-                        r.stderr[-2000:])
-            os.unlink(tmp)
-            return None
-        os.replace(tmp, out)
+    with _build_lock(out):              # a build started by prebuild: wait for it rather than build twice
+        return _compile_and_load(cc, out, flags, level, source)
+
+
+def _build_lock(out: str) -> threading.Lock:
+    with _locks_lock:
+        return _build_locks.setdefault(out, threading.Lock())
+
+
+def _compile(cc: str, out: str, flags: list[str], level: str, source: str) -> bool:
+    """The build at `out` (compiled now unless cached); False: the compiler failed (logged)."""
+    if os.path.isfile(out):
+        return True
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
+    os.close(fd)
+    src = os.path.join(os.path.dirname(__file__), source + ".c")
+    r = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
+    if r.returncode != 0:
+        log.warning("building the %s %s kernels failed, using the torch path:\n%s", level, source, r.stderr[-2000:])
+        os.unlink(tmp)
+        return False
+    os.replace(tmp, out)
+    return True
+
+
+def _compile_and_load(cc: str, out: str, flags: list[str], level: str, source: str) -> ctypes.CDLL | None:
+    if not _compile(cc, out, flags, level, source):
+        return None
     # -fopenmp links libgomp.so.1, which torch has already loaded: the kernels share torch's OpenMP pool
     # (and its wait policy, read when torch was imported; setting OMP_WAIT_POLICY here would only reach
     # child processes: PASSIVE made a one-row step 1.45x slower on 2 cores)
     lib = ctypes.CDLL(out)
     _declare(lib, source)
     return lib
+
+
+def prebuild(sources: tuple[str, ...] = ("qmatmul", "paged_attention", "layer_ops")) -> list[threading.Thread]:
+    """Compile the host level's builds of `sources` that are not cached yet, each on a daemon thread of its
+    own, from now (the compiler runs outside the GIL: cold builds run beside each other and beside the
+    model load, issue 56); nothing to do when all are cached. load() of a source whose build is under way
+    waits for it. The compiled file is the one load() would build: the same flags, the same key."""
+    cc = _compiler()
+    if cc is None or os.environ.get("PAGEDSERVE_KERNEL_ISA"):
+        return []
+    level = _default or host_levels()[0]
+    threads = []
+    for source in sources:
+        out, flags = build_path(level, cc, source)
+        if os.path.isfile(out):
+            continue
+        lock = _build_lock(out)
+
+        def compile_one(out=out, flags=flags, source=source, lock=lock):
+            with lock:
+                try:
+                    _compile(cc, out, flags, level, source)
+                except OSError:
+                    pass                # load() tries again and reports it
+        t = threading.Thread(target=compile_one, name=f"pagedserve-build-{source}", daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
 
 
 def load(level: str | None = None, source: str = "paged_attention") -> ctypes.CDLL | None:

@@ -220,7 +220,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp = tp or TPGroup.single()
         self.vocab_first, self.vocab_end, vocab_rows = vocab_slice(cfg.vocab_size, tp.rank, tp.size)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # its weight given, not drawn: nn.Embedding's normal_ init on the meta device imports torch._dynamo
+        # (1.5-6 s of start-up, issue 56) for values the load replaces anyway
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)

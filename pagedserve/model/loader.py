@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.model.config import ModelConfig
@@ -165,6 +166,9 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
         model, cfg = _load_model(src, dtype, device, quantization, int8_act=int8_act, dense_copy=dense_copy,
                                  packed_rows=packed_rows)
         _LOADED[key] = (model if held_for_the_process(device) else weakref.ref(model), cfg)
+    else:
+        with startup.phase("model (shared, loaded before)"):
+            pass
     return model, copy.copy(cfg)
 
 
@@ -180,11 +184,28 @@ def cache_dir(path: str, kind: str) -> str:
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
                 tp: TPGroup | None = None, int8_act: bool = False, dense_copy: bool = False,
                 packed_rows: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    if quantization == "gguf":
-        cfg, weights = _read_gguf(src.path, dtype, packed=True)
-    else:
-        read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
-        cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
+    with startup.phase("model read"):
+        if quantization == "gguf":
+            cfg, weights = _read_gguf(src.path, dtype, packed=True)
+        else:
+            read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
+            cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
+    with startup.phase("model build"):
+        model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
+    if dense_copy:
+        with startup.phase("dense copies"):
+            log.info("%s", add_dense_copies(model, dtype))
+    model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
+    with startup.phase("kernel loads"):
+        log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
+        log.info("%s", model.choose_layer_path())
+        log.info("%s", model.choose_decode_path())
+    return model, cfg
+
+
+def _build_model(src: ModelSource, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str,
+                 quantization: str, tp: TPGroup | None) -> LlamaForCausalLM:
+    """The module tree on the meta device, the read tensors assigned into it (packed ones as packed modules)."""
     sd = _fuse(cfg, weights)
     if quantization == "int8":
         sd = {k: quantize_int8(v) if _is_matrix(k) else v.to(dtype) for k, v in sd.items()}
@@ -203,14 +224,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                       else PackedLinear(w, bias=f"{key.removesuffix('.weight')}.bias" in sd))
             setattr(owner, child, packed)
     model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, Packed)}, assign=True, strict=True)
-    model = model.to(device).eval()
-    if dense_copy:
-        log.info("%s", add_dense_copies(model, dtype))
-    model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
-    log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
-    log.info("%s", model.choose_layer_path())
-    log.info("%s", model.choose_decode_path())
-    return model, cfg
+    return model.to(device).eval()
 
 
 def _check_shapes(src: ModelSource, cfg: ModelConfig, sd: dict, expected: dict[str, tuple]) -> None:

@@ -78,7 +78,8 @@ def serve_in_process(args: list[str], code: str | None = None, ready_timeout: fl
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)             # (not listening yet, or 503 while the model loads)
         yield base, proc
     finally:
         if proc.poll() is None:

@@ -1,0 +1,204 @@
+"""Start-up time (issue 56: "start like llama.cpp"): how long `pagedserve serve` takes from exec to
+/health 200, and `pagedserve generate "What is the capital of France?"` from exec to exit, cold and warm,
+with the process's peak and idle RSS and the engine's own phase breakdown (its "ready in" line).
+
+  cold: every run with an empty cache folder of its own (PAGEDSERVE_CACHE: the converted tokenizer, the
+        native kernel builds, dequantized weights, calibrations: everything pagedserve keeps on disk)
+  warm: one shared cache folder, filled by an untimed run first
+
+The OS page cache is not dropped (that needs root and slows every other process on the host): "cold" is a
+cold pagedserve cache, the model file itself may be in memory. --llama-server PATH adds llama.cpp's server on
+the same GGUF file (time to its /health 200, its RSS).
+
+  python bench/startup.py [--model PATH] [--runs 3] [--llama-server PATH] [--skip cold] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+PROMPT = "What is the capital of France?"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(RSS now, peak RSS) of a live process, MiB."""
+    now = peak = 0.0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                now = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    return now, peak
+
+
+def phases_of(log: str) -> dict[str, float]:
+    """The engine's 'ready in X s: a 0.1, b 0.2 | RSS ...' line as {phase: seconds} (+ 'total')."""
+    m = re.search(r"ready in ([\d.]+) s: (.*?) \| RSS", log)
+    if not m:
+        return {}
+    out = {"total": float(m.group(1))}
+    for part in m.group(2).split(", "):
+        name, _, secs = part.rpartition(" ")
+        out[name] = float(secs)
+    return out
+
+
+def health(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def run_serve(cmd: list[str], env: dict, port: int, timeout: float = 300) -> dict:
+    """exec -> first answer on the port -> /health 200; then idle RSS (1 s after ready) and peak; SIGTERM."""
+    log = tempfile.TemporaryFile(mode="w+")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url, port_s, ready_s = f"http://127.0.0.1:{port}/health", None, None
+    try:
+        while time.perf_counter() - t0 < timeout:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{log.read()[-2000:]}")
+            code = health(url)
+            if code is not None and port_s is None:
+                port_s = time.perf_counter() - t0
+            if code == 200:
+                ready_s = time.perf_counter() - t0
+                break
+            time.sleep(0.02)
+        if ready_s is None:
+            raise RuntimeError(f"not ready in {timeout} s")
+        time.sleep(1.0)
+        idle, peak = rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    return {"ready_s": ready_s, "port_s": port_s, "idle_rss_mb": idle, "peak_rss_mb": peak,
+            "phases": phases_of(log.read())}
+
+
+def run_generate(cmd: list[str], env: dict) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    out, err = proc.communicate(timeout=600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"generate exited {proc.returncode}:\n{err[-2000:]}")
+    peak = 0.0
+    m = re.search(r"PEAK_RSS_KB=(\d+)", err)
+    if m:
+        peak = int(m.group(1)) / 1024
+    return {"wall_s": wall, "answer": out.strip(), "peak_rss_mb": peak, "phases": phases_of(err)}
+
+
+# generate runs under a tiny wrapper that reports the child's peak RSS (ru_maxrss) on stderr
+GEN_WRAPPER = ("import resource, runpy, sys; sys.argv = ['pagedserve'] + sys.argv[1:]\n"
+               "try:\n    runpy.run_module('pagedserve.entrypoints.cli', run_name='__main__')\n"
+               "finally:\n    print(f'PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', "
+               "file=sys.stderr)\n")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip", choices=("cold", "warm"), action="append", default=[])
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: timed on the same file")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--json", default=None, help="write every run's numbers here")
+    ns = ap.parse_args()
+    model = ns.model
+    if model is None:
+        sys.path.insert(0, ROOT)
+        from pagedserve.model.loader import default_model_path
+        model = default_model_path()
+    base_env = os.environ | {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    serve_cmd = lambda port: [ns.python, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port),  # noqa: E731
+                              "--log-level", "info"]
+    gen_cmd = [ns.python, "-c", GEN_WRAPPER, "generate", model, PROMPT, "--log-level", "info"]
+    results: dict[str, list[dict]] = {}
+    work = tempfile.mkdtemp(prefix="pagedserve-startup-")
+    try:
+        warm_cache = os.path.join(work, "warm")
+        for mode in ("cold", "warm"):
+            if mode in ns.skip:
+                continue
+            if mode == "warm":          # fill the shared cache (untimed)
+                run_generate(gen_cmd, base_env | {"PAGEDSERVE_CACHE": warm_cache})
+            for what in ("serve", "generate"):
+                rows = results.setdefault(f"{mode} {what}", [])
+                for i in range(ns.runs):
+                    cache = os.path.join(work, f"cold-{what}-{i}") if mode == "cold" else warm_cache
+                    env = base_env | {"PAGEDSERVE_CACHE": cache}
+                    r = run_serve(serve_cmd(p := free_port()), env, p) if what == "serve" else run_generate(gen_cmd, env)
+                    rows.append(r)
+                    print(f"  {mode} {what} run {i + 1}: "
+                          + (f"ready {r['ready_s']:.2f} s (port {r['port_s']:.2f} s)" if what == "serve"
+                             else f"{r['wall_s']:.2f} s, answer {r['answer'][:40]!r}"), file=sys.stderr, flush=True)
+        if ns.llama_server:
+            rows = results.setdefault("llama-server", [])
+            for i in range(ns.runs):
+                p = free_port()
+                rows.append(run_serve([ns.llama_server, "-m", model, "--port", str(p), "--host", "127.0.0.1"],
+                                      dict(os.environ), p))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\nmodel {model}; {ns.runs} runs each, medians (a shared host: noisy)\n")
+    print(f"{'':20} {'ready / wall s':>15} {'port s':>8} {'peak RSS MB':>12} {'idle RSS MB':>12}")
+    for name, rows in results.items():
+        t = med([r.get("ready_s", r.get("wall_s")) for r in rows])
+        port = med([r["port_s"] for r in rows]) if "port_s" in rows[0] else None
+        idle = med([r["idle_rss_mb"] for r in rows]) if "idle_rss_mb" in rows[0] else None
+        print(f"{name:20} {t:15.2f} {port if port is not None else float('nan'):8.2f} "
+              f"{med([r['peak_rss_mb'] for r in rows]):12.0f} {idle if idle is not None else float('nan'):12.0f}")
+    phase_rows = {name: rows for name, rows in results.items() if rows and rows[0].get("phases")}
+    if phase_rows:
+        names = list(dict.fromkeys(k for rows in phase_rows.values() for r in rows for k in r["phases"]))
+        print("\nthe engine's phases (s, medians):\n")
+        print(f"{'':16}" + "".join(f"{n[:14]:>16}" for n in phase_rows))
+        for n in names:
+            print(f"{n[:16]:16}" + "".join(f"{med([r['phases'].get(n, 0.0) for r in rows]):16.2f}"
+                                          for rows in phase_rows.values()))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"model": model, "runs": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
