@@ -1,0 +1,143 @@
+"""Encoder models (BERT, XLM-RoBERTa / RoBERTa): bidirectional attention within each sequence, no KV
+cache. A step's sequences are packed into one [tokens, hidden] batch (varlen: `cu_seqlens` bounds each
+sequence); every linear, LayerNorm and activation runs over the packed rows at once, attention runs per
+sequence (SDPA over that sequence's rows alone, no mask: every token sees every token of its own
+sequence and none of another's). The arithmetic is transformers' modeling_bert.py: embeddings
+word + absolute position + token type 0, LayerNorm (config's layer_norm_eps); each layer post-LN:
+h = LN(h + Wo·attn(h)), h = LN(h + W2·act(W1·h)) with act the config's hidden_act (gelu: erf). XLM-RoBERTa
+is the same with positions counted from padding_idx + 1 (its create_position_ids_from_input_ids on an
+unpadded sequence). The weights are read under transformers' own names (BertModel.state_dict()), the
+pooler (unused by sentence-transformers) dropped."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# architecture (config.json's architectures[0]) -> how positions start (True: after padding_idx)
+ENCODER_ARCHITECTURES = {"BertModel": False, "XLMRobertaModel": True, "RobertaModel": True}
+_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+@dataclass(slots=True)
+class EncoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    position_offset: int            # the first token's position id (XLM-R: padding_idx + 1)
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence its position table covers."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_hf(cls, hf: dict, where: str) -> EncoderConfig:
+        archs = hf.get("architectures") or [hf.get("model_type")]
+        arch = archs[0]
+        if arch not in ENCODER_ARCHITECTURES:
+            raise ValueError(f"{where}: architectures {archs!r} is not an encoder this engine computes (supported "
+                             f"in a sentence-transformers folder: {', '.join(ENCODER_ARCHITECTURES)})")
+        act = hf.get("hidden_act", "gelu")
+        if act not in _ACTS:
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(_ACTS)})")
+        pet = hf.get("position_embedding_type", "absolute")
+        if pet not in (None, "absolute"):
+            raise ValueError(f"{where}: position_embedding_type {pet!r} is not supported (only absolute)")
+        offset = hf.get("pad_token_id", 1) + 1 if ENCODER_ARCHITECTURES[arch] else 0
+        return cls(arch, hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
+                   hf["intermediate_size"], hf["max_position_embeddings"], hf.get("type_vocab_size", 2),
+                   float(hf.get("layer_norm_eps", 1e-12)), act, offset)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: EncoderConfig):
+        super().__init__()
+        H, I = c.hidden_size, c.intermediate_size
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+        self.ln1 = nn.LayerNorm(H, eps=c.layer_norm_eps)
+        self.up, self.down = nn.Linear(H, I), nn.Linear(I, H)
+        self.ln2 = nn.LayerNorm(H, eps=c.layer_norm_eps)
+
+
+class BertEncoder(nn.Module):
+    """BertModel's last_hidden_state for packed sequences: forward(input_ids [T], cu_seqlens [n + 1])."""
+
+    def __init__(self, c: EncoderConfig):
+        super().__init__()
+        self.cfg = c
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.pos = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.ln = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.act = _ACTS[c.hidden_act]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        c = self.cfg
+        spans = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        pos = torch.cat([torch.arange(e - s) for s, e in spans]).to(input_ids.device) + c.position_offset
+        h = self.word(input_ids) + self.token_type.weight[0] + self.pos(pos)
+        h = self.ln(h)
+        nh, hd = c.num_heads, c.hidden_size // c.num_heads
+        for L in self.layers:
+            q, k, v = (p(h).view(-1, nh, hd).transpose(0, 1) for p in (L.q, L.k, L.v))   # [heads, T, hd]
+            ctx = torch.empty_like(h).view(-1, nh, hd)
+            for s, e in spans:                              # each sequence attends within itself only
+                ctx[s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e],
+                                                          scale=1 / math.sqrt(hd)).transpose(0, 1)
+            h = L.ln1(h + L.o(ctx.view(-1, c.hidden_size)))
+            h = L.ln2(h + L.down(self.act(L.up(h))))
+        return h
+
+
+_RENAMES = (("embeddings.word_embeddings.", "word."), ("embeddings.position_embeddings.", "pos."),
+            ("embeddings.token_type_embeddings.", "token_type."), ("embeddings.LayerNorm.", "ln."),
+            ("attention.self.query.", "q."), ("attention.self.key.", "k."), ("attention.self.value.", "v."),
+            ("attention.output.dense.", "o."), ("attention.output.LayerNorm.", "ln1."),
+            ("intermediate.dense.", "up."), ("output.dense.", "down."), ("output.LayerNorm.", "ln2."),
+            ("encoder.layer.", "layers."))
+
+
+def _our_name(key: str) -> str | None:
+    for prefix in ("bert.", "roberta.", "model."):         # a task model's base, saved under its prefix
+        key = key.removeprefix(prefix)
+    if key.startswith("pooler.") or key.endswith("position_ids") or key.startswith(("lm_head.", "cls.")):
+        return None
+    for a, b in _RENAMES:
+        key = key.replace(a, b)
+    return key
+
+
+def load_encoder(path: str, dtype: torch.dtype, device: str) -> tuple[BertEncoder, EncoderConfig]:
+    """The encoder in an HF folder (config.json + *.safetensors), its weights under transformers' names."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = EncoderConfig.from_hf(json.load(f), f"{path}/config.json")
+    sd = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            for k, t in load_file(os.path.join(path, name)).items():
+                ours = _our_name(k)
+                if ours is not None:
+                    sd[ours] = t
+    model = BertEncoder(cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: the weights do not match {cfg.architecture} (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    return model.to(device=device, dtype=dtype).eval(), cfg
