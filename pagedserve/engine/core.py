@@ -44,6 +44,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class EngineCore:
     pooling_types = POOLING_TYPES           # what an embedding request may pool by (EncoderCore: + MAX)
+    generates = True                        # EncoderCore: False (it only embeds)
 
     def __init__(self, args: EngineArgs):
         self.args = args

@@ -67,6 +67,7 @@ def max_seq_length(path: str, position_limit: int) -> int:
 
 class EncoderCore(EngineCore):
     pooling_types = ENCODER_POOLING_TYPES
+    generates = False
 
     def _build(self, dtype: torch.dtype) -> None:
         args = self.args
