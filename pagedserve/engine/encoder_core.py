@@ -36,21 +36,21 @@ from pagedserve.engine.outputs import EngineCoreOutputs, RequestFailure, SeqTime
 from pagedserve.errors import ParamError
 from pagedserve.model.bert import load_encoder
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.families import FAMILIES
 from pagedserve.model.loader import ModelSource, read_pooling_config
 from pagedserve.sampling_params import ENCODER_POOLING_TYPES, PoolingParams
 from pagedserve.tokenizer import load_tokenizer
 
 
 def is_encoder_folder(src: ModelSource) -> bool:
-    """A sentence-transformers folder whose transformer is an encoder (BERT-like, not a decoder LLM):
-    modules.json beside a config.json naming an encoder (any *Model architecture that is not a
-    ForCausalLM; load_encoder refuses the ones it does not compute, naming `architectures`)."""
+    """A sentence-transformers folder (modules.json) whose transformer is not one of the decoder families
+    (families.py, by model_type): BERT-like, an encoder. load_encoder refuses the encoders it does not
+    compute, naming `architectures`; a decoder family's folder (Qwen3-Embedding) stays with EngineCore."""
     if src.kind != "hf" or not os.path.isfile(os.path.join(src.path, "modules.json")):
         return False
     with open(os.path.join(src.path, "config.json")) as f:
         hf = json.load(f)
-    arch = (hf.get("architectures") or [""])[0]
-    return not arch.endswith(("ForCausalLM", "ForConditionalGeneration")) and hf.get("is_decoder") is not True
+    return hf.get("model_type") not in FAMILIES
 
 
 def max_seq_length(path: str, position_limit: int) -> int:
