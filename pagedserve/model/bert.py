@@ -1,4 +1,4 @@
-"""Encoder models (BERT, XLM-RoBERTa / RoBERTa): bidirectional attention within each sequence, no KV
+"""Encoder models (BERT, XLM-RoBERTa / RoBERTa, MPNet): bidirectional attention within each sequence, no KV
 cache. A step's sequences are packed into one [tokens, hidden] batch (varlen: `cu_seqlens` bounds each
 sequence); every linear, LayerNorm and activation runs over the packed rows at once, attention runs per
 sequence (SDPA over that sequence's rows alone, no mask: every token sees every token of its own
@@ -6,7 +6,9 @@ sequence and none of another's). The arithmetic is transformers' modeling_bert.p
 word + absolute position + token type 0, LayerNorm (config's layer_norm_eps); each layer post-LN:
 h = LN(h + Wo·attn(h)), h = LN(h + W2·act(W1·h)) with act the config's hidden_act (gelu: erf). XLM-RoBERTa
 is the same with positions counted from padding_idx + 1 (its create_position_ids_from_input_ids on an
-unpadded sequence). The weights are read under transformers' own names (BertModel.state_dict()), the
+unpadded sequence). MPNet (modeling_mpnet.py): positions as XLM-R's, no token type embeddings, and every
+layer's attention scores get a relative position bias (T5-style buckets of j - i: 32 buckets, max
+distance 128, one learned value per bucket and head, computed once per forward and shared by the layers). The weights are read under transformers' own names (BertModel.state_dict()), the
 pooler (unused by sentence-transformers) dropped."""
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # architecture (config.json's architectures[0]) -> how positions start (True: after padding_idx)
-ENCODER_ARCHITECTURES = {"BertModel": False, "XLMRobertaModel": True, "RobertaModel": True}
+ENCODER_ARCHITECTURES = {"BertModel": False, "XLMRobertaModel": True, "RobertaModel": True, "MPNetModel": True}
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128       # modeling_mpnet's compute_position_bias defaults (not config)
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -38,6 +41,7 @@ class EncoderConfig:
     layer_norm_eps: float
     hidden_act: str
     position_offset: int            # the first token's position id (XLM-R: padding_idx + 1)
+    relative_buckets: int = 0       # MPNet: buckets of its relative attention bias (0: none)
 
     @property
     def max_tokens(self) -> int:
@@ -57,10 +61,12 @@ class EncoderConfig:
         pet = hf.get("position_embedding_type", "absolute")
         if pet not in (None, "absolute"):
             raise ValueError(f"{where}: position_embedding_type {pet!r} is not supported (only absolute)")
-        offset = hf.get("pad_token_id", 1) + 1 if ENCODER_ARCHITECTURES[arch] else 0
+        mpnet = arch == "MPNetModel"            # its padding_idx is 1 whatever pad_token_id says
+        offset = (2 if mpnet else hf.get("pad_token_id", 1) + 1) if ENCODER_ARCHITECTURES[arch] else 0
         return cls(arch, hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
-                   hf["intermediate_size"], hf["max_position_embeddings"], hf.get("type_vocab_size", 2),
-                   float(hf.get("layer_norm_eps", 1e-12)), act, offset)
+                   hf["intermediate_size"], hf["max_position_embeddings"], 0 if mpnet else hf.get("type_vocab_size", 2),
+                   float(hf.get("layer_norm_eps", 1e-12)), act, offset,
+                   hf.get("relative_attention_num_buckets", 32) if mpnet else 0)
 
 
 class _Layer(nn.Module):
@@ -81,7 +87,8 @@ class BertEncoder(nn.Module):
         self.cfg = c
         self.word = nn.Embedding(c.vocab_size, c.hidden_size)
         self.pos = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size) if c.type_vocab_size else None
+        self.rel_bias = nn.Embedding(c.relative_buckets, c.num_heads) if c.relative_buckets else None
         self.ln = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
         self.act = _ACTS[c.hidden_act]
@@ -91,21 +98,44 @@ class BertEncoder(nn.Module):
         c = self.cfg
         spans = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
         pos = torch.cat([torch.arange(e - s) for s, e in spans]).to(input_ids.device) + c.position_offset
-        h = self.word(input_ids) + self.token_type.weight[0] + self.pos(pos)
+        h = self.word(input_ids) + self.pos(pos)
+        if self.token_type is not None:
+            h = h + self.token_type.weight[0]
         h = self.ln(h)
         nh, hd = c.num_heads, c.hidden_size // c.num_heads
+        bias = None
+        if self.rel_bias is not None:              # [heads, n, n] of the longest; a shorter one's is its corner
+            n = max(e - s for s, e in spans)
+            r = torch.arange(n, device=h.device)
+            bias = self.rel_bias(_bucket(r[None, :] - r[:, None])).permute(2, 0, 1).to(h.dtype)
         for L in self.layers:
             q, k, v = (p(h).view(-1, nh, hd).transpose(0, 1) for p in (L.q, L.k, L.v))   # [heads, T, hd]
             ctx = torch.empty_like(h).view(-1, nh, hd)
             for s, e in spans:                              # each sequence attends within itself only
-                ctx[s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e],
-                                                          scale=1 / math.sqrt(hd)).transpose(0, 1)
+                ctx[s:e] = F.scaled_dot_product_attention(
+                    q[:, s:e], k[:, s:e], v[:, s:e], attn_mask=None if bias is None else bias[:, :e - s, :e - s],
+                    scale=1 / math.sqrt(hd)).transpose(0, 1)
             h = L.ln1(h + L.o(ctx.view(-1, c.hidden_size)))
             h = L.ln2(h + L.down(self.act(L.up(h))))
         return h
 
 
-_RENAMES = (("embeddings.word_embeddings.", "word."), ("embeddings.position_embeddings.", "pos."),
+def _bucket(rel: torch.Tensor) -> torch.Tensor:
+    """MPNet's relative_position_bucket (T5's bidirectional buckets) of relative positions j - i."""
+    half = MPNET_BUCKETS // 2
+    n = -rel
+    ret = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float() / exact) / math.log(MPNET_MAX_DISTANCE / exact) * (half - exact)).long()
+    large = torch.clamp(large, max=half - 1)
+    return ret + torch.where(n < exact, n, large)
+
+
+_RENAMES = (("encoder.relative_attention_bias.", "rel_bias."),
+            ("attention.attn.q.", "q."), ("attention.attn.k.", "k."), ("attention.attn.v.", "v."),
+            ("attention.attn.o.", "o."), ("attention.LayerNorm.", "ln1."),
+            ("embeddings.word_embeddings.", "word."), ("embeddings.position_embeddings.", "pos."),
             ("embeddings.token_type_embeddings.", "token_type."), ("embeddings.LayerNorm.", "ln."),
             ("attention.self.query.", "q."), ("attention.self.key.", "k."), ("attention.self.value.", "v."),
             ("attention.output.dense.", "o."), ("attention.output.LayerNorm.", "ln1."),
@@ -114,7 +144,7 @@ _RENAMES = (("embeddings.word_embeddings.", "word."), ("embeddings.position_embe
 
 
 def _our_name(key: str) -> str | None:
-    for prefix in ("bert.", "roberta.", "model."):         # a task model's base, saved under its prefix
+    for prefix in ("bert.", "roberta.", "mpnet.", "model."):         # a task model's base, saved under its prefix
         key = key.removeprefix(prefix)
     if key.startswith("pooler.") or key.endswith("position_ids") or key.startswith(("lm_head.", "cls.")):
         return None

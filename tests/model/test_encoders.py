@@ -1,5 +1,5 @@
 """Encoder embedding models (EncoderCore, model/bert.py) against sentence-transformers itself: tiny
-random BertModel / XLMRobertaModel saved by transformers, wrapped by sentence-transformers into its own
+random BertModel / XLMRobertaModel / MPNetModel saved by transformers, wrapped by sentence-transformers into its own
 folder (modules.json, 1_Pooling, 2_Normalize) for each pooling mode; LLM.embed and /v1/embeddings equal
 SentenceTransformer.encode within 1e-5 in float32, inputs of different lengths batched together (one
 step packs them), inputs longer than max_seq_length truncated as sentence-transformers truncates."""
@@ -42,6 +42,10 @@ def _base(d, arch: str) -> str:
         tok, V = _tokenizer("[CLS]", "[SEP]", "[PAD]")
         m = tf.BertModel(tf.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=64, max_position_embeddings=64, type_vocab_size=2))
+    elif arch == "mpnet":                           # relative position bias; no token types
+        tok, V = _tokenizer("<s>", "</s>", "<pad>")
+        m = tf.MPNetModel(tf.MPNetConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, pad_token_id=0, max_position_embeddings=66))
     else:
         tok, V = _tokenizer("<s>", "</s>", "<pad>")
         m = tf.XLMRobertaModel(tf.XLMRobertaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
@@ -65,7 +69,7 @@ def _folder(d, base: str, pooling: str, normalize: bool = True) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta", "mpnet"])
 def base(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     return d, _base(d, request.param)
