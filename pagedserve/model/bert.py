@@ -8,8 +8,12 @@ h = LN(h + Wo·attn(h)), h = LN(h + W2·act(W1·h)) with act the config's hidden
 is the same with positions counted from padding_idx + 1 (its create_position_ids_from_input_ids on an
 unpadded sequence). MPNet (modeling_mpnet.py): positions as XLM-R's, no token type embeddings, and every
 layer's attention scores get a relative position bias (T5-style buckets of j - i: 32 buckets, max
-distance 128, one learned value per bucket and head, computed once per forward and shared by the layers). The weights are read under transformers' own names (BertModel.state_dict()), the
-pooler (unused by sentence-transformers) dropped."""
+distance 128, one learned value per bucket and head, computed once per forward and shared by the
+layers). The weights are read under transformers' own names (BertModel.state_dict()), the pooler
+(unused by sentence-transformers) dropped.
+
+Padding: none. Sequences are packed back to back, so no token is a pad and no attention mask is needed;
+positions count from the start of each sequence (as transformers' do for an unpadded sequence)."""
 from __future__ import annotations
 
 import json
