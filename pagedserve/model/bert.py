@@ -112,16 +112,56 @@ class BertEncoder(nn.Module):
             n = max(e - s for s, e in spans)
             r = torch.arange(n, device=h.device)
             bias = self.rel_bias(_bucket(r[None, :] - r[:, None])).permute(2, 0, 1).to(h.dtype)
+        groups = [_Group(g, h.device, h.dtype, bias) for g in _length_groups(spans)]
         for L in self.layers:
-            q, k, v = (p(h).view(-1, nh, hd).transpose(0, 1) for p in (L.q, L.k, L.v))   # [heads, T, hd]
-            ctx = torch.empty_like(h).view(-1, nh, hd)
-            for s, e in spans:                              # each sequence attends within itself only
-                ctx[s:e] = F.scaled_dot_product_attention(
-                    q[:, s:e], k[:, s:e], v[:, s:e], attn_mask=None if bias is None else bias[:, :e - s, :e - s],
-                    scale=1 / math.sqrt(hd)).transpose(0, 1)
-            h = L.ln1(h + L.o(ctx.view(-1, c.hidden_size)))
+            qkv = [p(h).view(-1, nh, hd) for p in (L.q, L.k, L.v)]                 # packed [T, heads, hd]
+            ctx = torch.empty_like(h)
+            for g in groups:                        # each sequence attends within itself only
+                q, k, v = (g.pad(t) for t in qkv)                                   # [n, heads, len, hd]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=1 / math.sqrt(hd))
+                ctx[g.rows] = o.transpose(1, 2).reshape(-1, c.hidden_size)[g.valid]
+            h = L.ln1(h + L.o(ctx))
             h = L.ln2(h + L.down(self.act(L.up(h))))
         return h
+
+
+def _length_groups(spans: list[tuple[int, int]], slack: float = 1.25) -> list[list[tuple[int, int]]]:
+    """The step's sequences by length, cut into groups whose padded size (members x longest) stays within
+    `slack` of their tokens: one attention call per group, little work on padding."""
+    out, group, tokens = [], [], 0
+    for s, e in sorted(spans, key=lambda se: se[1] - se[0]):
+        n = e - s
+        if group and (len(group) + 1) * n > slack * (tokens + n):
+            out.append(group)
+            group, tokens = [], 0
+        group.append((s, e))
+        tokens += n
+    if group:
+        out.append(group)
+    return out
+
+
+class _Group:
+    """Sequences padded to one length for one SDPA call: `pad` gathers their packed rows into
+    [n, heads, len, hd]; `mask` hides the padding keys (and adds MPNet's bias); `valid` picks the real
+    rows of the padded output, which go to packed rows `rows`."""
+
+    def __init__(self, spans: list[tuple[int, int]], device, dtype: torch.dtype, bias: torch.Tensor | None):
+        n = max(e - s for s, e in spans)
+        lens = torch.tensor([e - s for s, e in spans], device=device)
+        starts = torch.tensor([s for s, _ in spans], device=device)
+        r = torch.arange(n, device=device)
+        keep = r[None, :] < lens[:, None]                                       # [seqs, len]
+        self.index = torch.where(keep, starts[:, None] + r[None, :], 0)
+        self.valid = keep.reshape(-1).nonzero().squeeze(1)
+        self.rows = self.index.reshape(-1)[self.valid]
+        self.mask = None
+        if not bool(keep.all()) or bias is not None:
+            m = torch.zeros(keep.shape, device=device, dtype=dtype).masked_fill(~keep, float("-inf"))
+            self.mask = m[:, None, None, :] + (0 if bias is None else bias[None, :, :n, :n])
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.index].transpose(1, 2)
 
 
 def _bucket(rel: torch.Tensor) -> torch.Tensor:
