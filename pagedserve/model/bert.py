@@ -1,8 +1,9 @@
 """Encoder models (BERT, XLM-RoBERTa / RoBERTa, MPNet): bidirectional attention within each sequence, no KV
-cache. A step's sequences are packed into one [tokens, hidden] batch (varlen: `cu_seqlens` bounds each
-sequence); every linear, LayerNorm and activation runs over the packed rows at once, attention runs per
-sequence (SDPA over that sequence's rows alone, no mask: every token sees every token of its own
-sequence and none of another's). The arithmetic is transformers' modeling_bert.py: embeddings
+cache. A step's sequences come packed back to back ([tokens], `cu_seqlens` bounds each); their embeddings
+are computed packed, then the sequences, sorted by length, are cut into groups padded to their longest
+within 1.25x of their tokens (_length_groups), and each group runs every layer as one [seqs, len, hidden]
+batch: one fused SDPA call per layer with a key padding mask, so every token sees every token of its own
+sequence and none of another's or any padding; the real rows go back to their packed places. The arithmetic is transformers' modeling_bert.py: embeddings
 word + absolute position + token type 0, LayerNorm (config's layer_norm_eps); each layer post-LN:
 h = LN(h + Wo·attn(h)), h = LN(h + W2·act(W1·h)) with act the config's hidden_act (gelu: erf). XLM-RoBERTa
 is the same with positions counted from padding_idx + 1 (its create_position_ids_from_input_ids on an
@@ -112,17 +113,18 @@ class BertEncoder(nn.Module):
             n = max(e - s for s, e in spans)
             r = torch.arange(n, device=h.device)
             bias = self.rel_bias(_bucket(r[None, :] - r[:, None])).permute(2, 0, 1).to(h.dtype)
-        groups = [_Group(g, h.device, h.dtype, bias) for g in _length_groups(spans)]
-        for L in self.layers:
-            qkv = [p(h).view(-1, nh, hd) for p in (L.q, L.k, L.v)]                 # packed [T, heads, hd]
-            ctx = torch.empty_like(h)
-            for g in groups:                        # each sequence attends within itself only
-                q, k, v = (g.pad(t) for t in qkv)                                   # [n, heads, len, hd]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=1 / math.sqrt(hd))
-                ctx[g.rows] = o.transpose(1, 2).reshape(-1, c.hidden_size)[g.valid]
-            h = L.ln1(h + L.o(ctx))
-            h = L.ln2(h + L.down(self.act(L.up(h))))
-        return h
+        out = torch.empty_like(h)
+        for g in _length_groups(spans):             # each group padded once, through every layer
+            grp = _Group(g, h.device, h.dtype, bias)
+            x = h[grp.index]                                                        # [n, len, hidden]
+            n, ln = grp.index.shape
+            for L in self.layers:
+                q, k, v = (p(x).view(n, ln, nh, hd).transpose(1, 2) for p in (L.q, L.k, L.v))
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=1 / math.sqrt(hd))
+                x = L.ln1(x + L.o(o.transpose(1, 2).reshape(n, ln, c.hidden_size)))
+                x = L.ln2(x + L.down(self.act(L.up(x))))
+            out[grp.rows] = x.reshape(-1, c.hidden_size)[grp.valid]
+        return out
 
 
 def _length_groups(spans: list[tuple[int, int]], slack: float = 1.25) -> list[list[tuple[int, int]]]:
@@ -142,9 +144,9 @@ def _length_groups(spans: list[tuple[int, int]], slack: float = 1.25) -> list[li
 
 
 class _Group:
-    """Sequences padded to one length for one SDPA call: `pad` gathers their packed rows into
-    [n, heads, len, hd]; `mask` hides the padding keys (and adds MPNet's bias); `valid` picks the real
-    rows of the padded output, which go to packed rows `rows`."""
+    """Sequences padded to one length (`index`: [n, len] packed row of each position, 0 on padding);
+    `mask` hides the padding keys (and adds MPNet's bias); `valid` picks the real positions of the padded
+    rows, which are packed rows `rows`. Padding rows are computed and dropped: no real row sees them."""
 
     def __init__(self, spans: list[tuple[int, int]], device, dtype: torch.dtype, bias: torch.Tensor | None):
         n = max(e - s for s, e in spans)
@@ -159,9 +161,6 @@ class _Group:
         if not bool(keep.all()) or bias is not None:
             m = torch.zeros(keep.shape, device=device, dtype=dtype).masked_fill(~keep, float("-inf"))
             self.mask = m[:, None, None, :] + (0 if bias is None else bias[None, :, :n, :n])
-
-    def pad(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.index].transpose(1, 2)
 
 
 def _bucket(rel: torch.Tensor) -> torch.Tensor:
