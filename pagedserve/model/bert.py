@@ -1,7 +1,7 @@
 """Encoder models (BERT, XLM-RoBERTa / RoBERTa, MPNet): bidirectional attention within each sequence, no KV
 cache. A step's sequences come packed back to back ([tokens], `cu_seqlens` bounds each); their embeddings
 are computed packed, then the sequences, sorted by length, are cut into groups padded to their longest
-within 1.25x of their tokens (_length_groups), and each group runs every layer as one [seqs, len, hidden]
+within 1.25x of their tokens, at most 32 a group (_length_groups), and each group runs every layer as one [seqs, len, hidden]
 batch: one fused SDPA call per layer with a key padding mask, so every token sees every token of its own
 sequence and none of another's or any padding; the real rows go back to their packed places. The arithmetic is transformers' modeling_bert.py: embeddings
 word + absolute position + token type 0, LayerNorm (config's layer_norm_eps); each layer post-LN:
@@ -28,6 +28,7 @@ from torch import nn
 
 # architecture (config.json's architectures[0]) -> how positions start (True: after padding_idx)
 ENCODER_ARCHITECTURES = {"BertModel": False, "XLMRobertaModel": True, "RobertaModel": True, "MPNetModel": True}
+GROUP_SEQS = 32          # most sequences in one padded attention group (sentence-transformers' batch size)
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128       # modeling_mpnet's compute_position_bias defaults (not config)
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -128,12 +129,12 @@ class BertEncoder(nn.Module):
 
 
 def _length_groups(spans: list[tuple[int, int]], slack: float = 1.25) -> list[list[tuple[int, int]]]:
-    """The step's sequences by length, cut into groups whose padded size (members x longest) stays within
-    `slack` of their tokens: one attention call per group, little work on padding."""
+    """The step's sequences by length, cut into groups of at most GROUP_SEQS whose padded size (members x
+    longest) stays within `slack` of their tokens: one attention call per group, little work on padding."""
     out, group, tokens = [], [], 0
     for s, e in sorted(spans, key=lambda se: se[1] - se[0]):
         n = e - s
-        if group and (len(group) + 1) * n > slack * (tokens + n):
+        if group and ((len(group) + 1) * n > slack * (tokens + n) or len(group) == GROUP_SEQS):
             out.append(group)
             group, tokens = [], 0
         group.append((s, e))
