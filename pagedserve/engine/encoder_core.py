@@ -11,8 +11,8 @@ its `scheduler` (a Scheduler over that empty manager) is never asked to schedule
 
 How batching works (continuous, whole sequences): each step takes queued requests in order while they
 fit the step's token budget (max_num_batched_tokens) and max_num_seqs, at least one, packs their tokens
-into one [tokens] batch with cu_seqlens (model/bert.py: every product over all rows at once, attention
-per sequence), pools each sequence's rows by its PoolingParams and finishes it in that step. Requests
+into one [tokens] batch with cu_seqlens (model/bert.py: sorted by length into padded groups of up to 32,
+each group one batch through every layer, a key padding mask keeping each sequence to itself), pools each sequence's rows by its PoolingParams and finishes it in that step. Requests
 that arrive while a step runs join the next one; nothing waits for a batch to drain.
 
 Truncation: a prompt longer than the model's max_seq_length (sentence-transformers' own: its
