@@ -3,7 +3,13 @@ batch through the paged engine) next to transformers' base model forward on the 
 AutoModel in batches of --hf-batch, last hidden state of the last token), one after the other in one
 run, float32, the default model (its GGUF read by transformers). Also checks the two agree.
 
+With --model FOLDER (a sentence-transformers folder over an encoder, e.g. all-MiniLM-L6-v2): pagedserve's
+LLM.embed (EncoderCore: the folder's own pooling and normalization, no KV pool) next to
+SentenceTransformer.encode (batches of --st-batch) on the same texts (--inputs texts of about --tokens
+words drawn from the tokenizer's vocabulary, lengths varying), both float32; checks they agree.
+
 Usage: python bench/embeddings.py [--inputs 32] [--tokens 256] [--hf-batch 8]
+       python bench/embeddings.py --model PATH [--inputs 256] [--tokens 64] [--st-batch 32]
 """
 import argparse
 import os
@@ -17,8 +23,13 @@ def main():
     ap.add_argument("--inputs", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--model", help="a sentence-transformers folder: pagedserve next to sentence-transformers")
+    ap.add_argument("--st-batch", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     a = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    if a.model:
+        return folder(a)
     from pagedserve import LLM, PoolingParams
     from pagedserve.host import describe
     from pagedserve.model.loader import resolve_model
@@ -52,6 +63,43 @@ def main():
     print(f"RESULT HF AutoModel (batch {a.hf_batch}): {a.inputs / hf_s:.2f} embeddings/s "
           f"({a.inputs * a.tokens / hf_s:.0f} tok/s)")
     print(f"ratio {hf_s / ours_s:.2f}x; max |difference| {err:.2e}")
+
+
+def folder(a):
+    """--model FOLDER: pagedserve's LLM.embed next to sentence-transformers on the same texts."""
+    import random
+
+    from sentence_transformers import SentenceTransformer
+
+    from pagedserve import LLM
+    from pagedserve.host import describe
+    print(f"host: {describe()}")
+    st = SentenceTransformer(a.model, device="cpu")
+    tok = st.tokenizer
+    special = set(tok.all_special_tokens)
+    words = [w for w in tok.get_vocab() if w.isalnum() and w not in special]
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(max(1, a.tokens // 2), a.tokens)))
+             for _ in range(a.inputs)]
+    llm = LLM(a.model, dtype="float32", max_num_seqs=max(a.inputs, 1),
+              max_num_batched_tokens=a.max_num_batched_tokens)
+    llm.embed(texts[:4], use_tqdm=False)                                          # warm-up
+    t = time.perf_counter()
+    ours = llm.embed(texts, use_tqdm=False)
+    ours_s = time.perf_counter() - t
+    n_tok = sum(len(o.prompt_token_ids) for o in ours)
+    st.encode(texts[:4], batch_size=a.st_batch)                                  # warm-up
+    t = time.perf_counter()
+    ref = st.encode(texts, batch_size=a.st_batch, convert_to_tensor=True)
+    st_s = time.perf_counter() - t
+    got = torch.tensor([o.outputs.embedding for o in ours])
+    err = (got - ref.float()).abs().max().item()
+    print(f"model {a.model}: {a.inputs} texts, {n_tok} tokens after truncation (max_seq_length "
+          f"{st.max_seq_length})")
+    print(f"RESULT pagedserve LLM.embed: {a.inputs / ours_s:.2f} embeddings/s ({n_tok / ours_s:.0f} tok/s)")
+    print(f"RESULT sentence-transformers encode (batch {a.st_batch}): {a.inputs / st_s:.2f} embeddings/s "
+          f"({n_tok / st_s:.0f} tok/s)")
+    print(f"ratio {st_s / ours_s:.2f}x; max |difference| {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ class EngineArgs:
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
     pooling: str | None = field(default=None, metadata=_h(
-        "last | mean | cls: how embedding requests (LLM.embed, /v1/embeddings) pool the final hidden states; "
+        "last | mean | cls | max (max: encoders only): how embedding requests (LLM.embed, /v1/embeddings) pool "
+        "the final hidden states; "
         "default: the model's sentence-transformers pooling config, else last (normalized)"))
     device: str = field(default="cpu", metadata=_h("cpu | cuda"))
     enforce_eager: bool = field(default=False, metadata=_h(
@@ -231,7 +232,7 @@ class EngineArgs:
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"), "device": ("cpu", "cuda"),
                    "attention_backend": ("auto", "native", "triton", "torch"),
-                   "quantization": ("auto", "none", "gguf", "int8"), "pooling": (None, "last", "mean", "cls"),
+                   "quantization": ("auto", "none", "gguf", "int8"), "pooling": (None, "last", "mean", "cls", "max"),
                    "preemption_mode": ("recompute", "swap"), "kv_allocation": ("paged", "contiguous"),
                    "scheduling_policy": ("continuous", "static"),
                    "distributed_executor_backend": ("mp", "ray", "external_launcher")}

@@ -202,7 +202,8 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")            # a decoder's pooled hidden states
+ENCODER_POOLING_TYPES = POOLING_TYPES + ("MAX",)   # an encoder (EncoderCore) also pools the max of each dimension
 
 
 @dataclass(slots=True)
@@ -219,8 +220,9 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None:
-            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
-                raise ParamError("pooling_type", f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in ENCODER_POOLING_TYPES:
+                raise ParamError("pooling_type", f"pooling_type must be one of {ENCODER_POOLING_TYPES}, got "
+                                                 f"{self.pooling_type!r}")
             self.pooling_type = self.pooling_type.upper()
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ParamError("normalize", f"normalize must be a boolean, got {self.normalize!r}")
@@ -228,13 +230,16 @@ class PoolingParams:
                                             or self.dimensions < 1):
             raise ParamError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
 
-    def resolved(self, default_type: str | None, model: dict, hidden_size: int) -> PoolingParams:
+    def resolved(self, default_type: str | None, model: dict, hidden_size: int,
+                 supported: tuple[str, ...] = POOLING_TYPES) -> PoolingParams:
         """These params with the model's defaults filled in (`default_type`: --pooling; `model`: its
-        sentence-transformers config; else LAST, normalized); a ParamError for what this model cannot give."""
+        sentence-transformers config; else LAST, normalized); a ParamError for what this model cannot give
+        (`supported`: the poolings its core computes)."""
         kind = self.pooling_type or (default_type or "").upper() or model.get("pooling_type") or "LAST"
-        if kind not in POOLING_TYPES:
-            raise ParamError("pooling_type", f"pooling_type: the model's pooling {kind!r} is not supported (supported: "
-                                             f"{', '.join(POOLING_TYPES)}; choose one with --pooling)")
+        if kind not in supported:
+            which = "the model's pooling" if not self.pooling_type else "pooling"
+            raise ParamError("pooling_type", f"pooling_type: {which} {kind!r} is not supported for this model "
+                                             f"(supported: {', '.join(supported)}; choose one with --pooling)")
         normalize = self.normalize if self.normalize is not None else model.get("normalize", True)
         if self.dimensions is not None:
             allowed = model.get("matryoshka")            # None: not trained for truncation; []: any size

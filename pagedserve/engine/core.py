@@ -37,7 +37,7 @@ from pagedserve.lora_request import LoRARegistry
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
-from pagedserve.sampling_params import PoolingParams, SamplingParams
+from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
 from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
@@ -72,6 +72,9 @@ class Background:
 
 
 class EngineCore:
+    pooling_types = POOLING_TYPES           # what an embedding request may pool by (EncoderCore: + MAX)
+    generates = True                        # EncoderCore: False (it only embeds)
+
     def __init__(self, args: EngineArgs, startup: StartupTimer | None = None):
         """startup: the record to time the build into (the CLI's, which began with the imports); a new one
         when not given. Read it as `engine.startup`."""
@@ -278,6 +281,10 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
+
+    def fit_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt as this core runs it (a decoder: as given; EncoderCore truncates)."""
+        return ids
 
     def precompile(self, params: SamplingParams | PoolingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""

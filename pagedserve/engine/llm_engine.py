@@ -12,6 +12,8 @@ from pagedserve.config import EngineArgs
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.startup import StartupTimer
+from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
+from pagedserve.model.loader import resolve_model
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestFailure, RequestOutput
 from pagedserve.errors import ParamError
@@ -26,7 +28,10 @@ Delivery = tuple[RequestState, RequestOutput]      # an output and the state of 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, startup: StartupTimer | None = None, **kwargs):
         """startup: the start-up record to time into (the CLI's, begun before its imports); read `engine.startup`."""
-        self.core = EngineCore(args or EngineArgs(**kwargs), startup)
+        args = args or EngineArgs(**kwargs)
+        # a sentence-transformers encoder (BERT-like) only embeds: its core runs no KV pool (encoder_core.py)
+        encoder = is_encoder_folder(resolve_model(args.model, args.revision))
+        self.core = (EncoderCore if encoder else EngineCore)(args, startup)
         self.tokenizer = self.core.tokenizer
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.outputs = OutputProcessor(self.tokenizer, self.core.counters)
@@ -60,7 +65,8 @@ class LLMEngine:
         core = self.core
         pooling = None
         if isinstance(params, PoolingParams):
-            pooling = params.resolved(core.args.pooling, core.model_pooling, core.model_config.hidden_size)
+            pooling = params.resolved(core.args.pooling, core.model_pooling, core.model_config.hidden_size,
+                                      core.pooling_types)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -81,6 +87,7 @@ class LLMEngine:
         core.check_token_ids("stop_token_ids", params.stop_token_ids)
         core.check_token_ids("logit_bias", params.logit_bias or ())
         text, ids = self.tokenize(prompt)
+        ids = core.fit_prompt(ids)          # an encoder truncates as sentence-transformers does
         max_tokens = params.max_tokens if params.max_tokens is not None else core.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
                       eos_token_ids=() if params.ignore_eos else core.eos_token_ids, priority=priority,

@@ -20,6 +20,7 @@ from pagedserve.entrypoints.http_errors import RequestError, error_body
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.lora_request import LoRARequest
+from pagedserve.sampling_params import PoolingParams
 
 # how each kind of engine failure is answered: (HTTP status, OpenAI error type)
 FAILURE_STATUS = {"internal_error": (500, "server_error"), "engine_dead": (500, "engine_dead"),
@@ -95,6 +96,9 @@ async def admit(st: ServerState, http: Request, body, prefix: str, params,
     name the route's `prompt_field` (chat's `messages`, embeddings' `input`). Returns the request id
     (`prefix` + a uuid), the prompts and their streams."""
     check_model(st, body.model)
+    if not st.engine.generates and not isinstance(params, PoolingParams):    # an encoder: embeddings only
+        raise RequestError("model", f"model: {model_name(st, getattr(body, 'model', None))} is an embedding model "
+                                    "(an encoder); it only serves /v1/embeddings")
     check_n(st, getattr(body, "n", 1))
 
     def prepare() -> list[dict]:

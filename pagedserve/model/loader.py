@@ -114,8 +114,16 @@ def read_pooling_config(src: ModelSource) -> dict:
     if pool is not None:
         with open(os.path.join(src.path, pool.get("path", ""), "config.json")) as f:
             pc = json.load(f)
+        # sentence-transformers < 6: booleans pooling_mode_<mode>; 6: "pooling_mode": "<mode>" (or a list)
         modes = [k.removeprefix("pooling_mode_") for k, v in pc.items() if k.startswith("pooling_mode_") and v]
-        names = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS"}
+        if isinstance(pc.get("pooling_mode"), str):
+            modes = [pc["pooling_mode"]]
+        elif isinstance(pc.get("pooling_mode"), list):
+            modes = list(pc["pooling_mode"])
+        if pc.get("include_prompt") is False:
+            modes = [f"{m} without the prompt (include_prompt false)" for m in modes]
+        names = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS", "max_tokens": "MAX",
+                 "mean": "MEAN", "cls": "CLS", "max": "MAX"}
         out["pooling_type"] = names.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or "none"
     return out
 

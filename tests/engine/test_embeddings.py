@@ -110,12 +110,14 @@ def test_embeddings_beside_generations_and_under_preemption(model):
 def test_bad_pooling_is_a_value_error_naming_it(model):
     d, _ = model
     with pytest.raises(ParamError, match="pooling_type"):
-        PoolingParams("MAX")
+        PoolingParams("WEIGHTEDMEAN")
     with pytest.raises(ParamError, match="dimensions"):
         PoolingParams(dimensions=0)
     with LLM(str(d), dtype="float32", num_kv_blocks=16) as llm:
         with pytest.raises(ParamError, match="dimensions: this model does not make 16-dimensional"):
             llm.embed("hi", PoolingParams(dimensions=16))      # not a matryoshka model
+        with pytest.raises(ParamError, match="pooling 'MAX' is not supported for this model"):
+            llm.embed("hi", PoolingParams("MAX"))              # an encoder's pooling (EncoderCore), not a decoder's
         assert not llm.engine.states
 
 
@@ -125,7 +127,7 @@ def test_unsupported_model_pooling_is_refused(tmp_path, tokenizer):
     save_family("qwen3", tmp_path, len(tokenizer), tokenizer)
     _sentence_transformers_files(tmp_path, pooling="max_tokens")
     with LLM(str(tmp_path), dtype="float32", num_kv_blocks=16) as llm:
-        with pytest.raises(ParamError, match="'max_tokens' is not supported"):
+        with pytest.raises(ParamError, match="'MAX' is not supported"):
             llm.embed("hi")
     with LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, pooling="mean") as llm:
         assert len(llm.embed("hi", use_tqdm=False)[0].outputs.embedding) == 64
