@@ -29,7 +29,8 @@ browser:
 	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 
 test: setup browser
-	$(PY) -m pytest -q -x
+	# two workers, a file each at a time (module fixtures stay in one process); conftest splits the torch threads
+	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=25
 
 bench: setup
 	$(PY) bench/throughput.py --workload mixed64

@@ -117,7 +117,7 @@ def test_v1_embeddings_over_http(base):
     ref = _reference(path)
     engine = LLMEngine(EngineArgs(path, dtype="float32"))
     from pagedserve.entrypoints.server import build_app
-    with serve_in_thread(build_app(engine)) as base_url:
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base_url:
         r = httpx.post(base_url + "/v1/embeddings", json={"model": "m", "input": TEXTS}, timeout=30)
         assert r.status_code == 200, r.text
         got = torch.tensor([e["embedding"] for e in r.json()["data"]])
