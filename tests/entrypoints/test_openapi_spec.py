@@ -183,7 +183,7 @@ def server():
     engine = LLMEngine(EngineArgs(num_kv_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=8))
     # a tool-call parser and a template that renders tools: tools with the spec's default tool_choice
     # ("auto") are served, not refused
-    app = build_app(engine, dashboard=False, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes")
+    app = build_app(engine, served_model_name="m", dashboard=False, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes")
     with serve_in_thread(app) as base:
         yield base + "/v1"
 
