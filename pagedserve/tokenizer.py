@@ -51,7 +51,8 @@ def load_tokenizer(src: ModelSource) -> SerialTokenizer:
     """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted
     once (slow: ~10 s for 49k tokens) and the result cached on disk, keyed by the file's path, size
     and mtime."""
-    from transformers import AutoTokenizer
+    from pagedserve.model.families import from_transformers
+    AutoTokenizer = from_transformers("AutoTokenizer")
     try:
         if src.kind == "hf":
             return SerialTokenizer(AutoTokenizer.from_pretrained(src.path))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -222,12 +223,24 @@ def check_rope(fam: Family, params: dict) -> None:
                                         "implemented for this family")
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def from_transformers(name: str):
+    """One of transformers' top-level names, imported under one lock: the tokenizer loads on a thread
+    beside the model (issue 56), and two threads resolving transformers' lazy module at once failed
+    with "cannot import name 'AutoConfig' from 'transformers'" (a torchrun start, 1 in a few)."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers
+        return getattr(transformers, name)
+
+
 def hf_config_dict(path: str) -> dict:
     """config.json through transformers' own class for its model_type (defaults and conversions)."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     family_of(raw)
-    from transformers import AutoConfig
+    AutoConfig = from_transformers("AutoConfig")
     try:
         return AutoConfig.for_model(**raw).to_dict()
     except (ValueError, TypeError) as e:      # transformers' own validation (rope lists, sizes, ...)
