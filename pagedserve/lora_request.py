@@ -69,12 +69,15 @@ class LoRARegistry:
     """The engine's adapters (enable_lora): name -> LoRAEntry, at most `capacity` (max_cpu_loras: each
     holds its weights in memory), their weights loaded into and dropped from `runner`. An unloaded
     adapter is retired: requests in flight (`live()`: the adapter ids they use) finish with it, and
-    its weights go when the last of them ends (`drop_retired`, after every step). Engine thread only."""
+    its weights go when the last of them ends (`drop_retired`, after every step). Engine thread only, but
+    for `names`: the loaded names as one frozenset, replaced whole on every load and unload, so another
+    thread (the server's, checking a request's `model`) reads a consistent set without a lock."""
 
     def __init__(self, args, runner, model_config, live: Callable[[], set[int]]):
         modules = parse_lora_modules(args.lora_modules)
         self.capacity = args.max_cpu_loras or max(args.max_loras, len(modules)) + 8
         self.by_name: dict[str, LoRAEntry] = {}
+        self.names: frozenset[str] = frozenset()
         self.retired: set[int] = set()
         self._ids = itertools.count(1)
         self._runner, self._config, self._max_rank, self._live = runner, model_config, args.max_lora_rank, live
@@ -101,6 +104,7 @@ class LoRARegistry:
                              f"({self.capacity}) allows; unload one first")
         weights = read_adapter(path, self._config, self._max_rank, field)
         entry = self.by_name[name] = LoRAEntry(next(self._ids), path, weights.rank)
+        self.names = frozenset(self.by_name)
         self._runner.add_lora(entry.lora_id, weights)
         log.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", name, path, weights.rank, weights.nbytes / 2**20)
         return entry
@@ -110,6 +114,7 @@ class LoRARegistry:
         entry = self.by_name.pop(name, None)
         if entry is None:
             return False
+        self.names = frozenset(self.by_name)
         self.retired.add(entry.lora_id)
         self.drop_retired()
         log.info("LoRA adapter %r unloaded", name)

@@ -47,10 +47,27 @@ class SerialTokenizer:
         return len(self.inner)
 
 
+_LOADED: dict[tuple, SerialTokenizer] = {}
+_LOADED_LOCK = threading.Lock()
+
+
 def load_tokenizer(src: ModelSource) -> SerialTokenizer:
     """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted
     once (slow: ~10 s for 49k tokens) and the result cached on disk, keyed by the file's path, size
-    and mtime."""
+    and mtime; within a process a GGUF's tokenizer is built once and shared by every engine on that
+    file (as its weights are: model/loader.py), since nothing writes to a tokenizer after it is built
+    (reading it from tokenizer.json costs ~1-1.5 s per engine otherwise)."""
+    if src.kind == "hf":
+        return _build_tokenizer(src)
+    st = os.stat(src.path)
+    key = (os.path.realpath(src.path), st.st_size, st.st_mtime_ns)
+    with _LOADED_LOCK:      # two engines started at once build it once
+        if key not in _LOADED:
+            _LOADED[key] = _build_tokenizer(src)
+        return _LOADED[key]
+
+
+def _build_tokenizer(src: ModelSource) -> SerialTokenizer:
     from pagedserve.model.families import from_transformers
     AutoTokenizer = from_transformers("AutoTokenizer")
     try:

@@ -52,7 +52,7 @@ def check_model(st: ServerState, model: str | None) -> None:
     Omitted or empty is the served model (OpenAI requires the field; pagedserve, as vLLM, never has)."""
     if not model or model in st.served_model_names:
         return
-    if st.engine.loras is not None and st.engine.loras.get(model) is not None:
+    if st.engine.loras is not None and model in st.engine.loras.names:
         return          # (whether it is still loaded when submitted is decided in the engine thread)
     raise model_not_found(st, model)
 
@@ -60,12 +60,7 @@ def check_model(st: ServerState, model: str | None) -> None:
 def model_not_found(st: ServerState, model: str) -> RequestError:
     """OpenAI's 404 for an unknown model (type invalid_request_error, code model_not_found, param model);
     on /v1/messages it is answered in Anthropic's shape (not_found_error)."""
-    names = list(st.served_model_names)
-    if st.engine.loras is not None:
-        try:            # the engine thread may load or unload one meanwhile: a copy, retried once
-            names += list(st.engine.loras.by_name)
-        except RuntimeError:
-            names += list(st.engine.loras.by_name)
+    names = list(st.served_model_names) + (sorted(st.engine.loras.names) if st.engine.loras is not None else [])
     return RequestError("model", f"The model `{model}` does not exist. The models served: "
                                  f"{', '.join(names)} (GET /v1/models lists them).", 404,
                         code="model_not_found")
@@ -94,8 +89,7 @@ async def admit(st: ServerState, http: Request, body, prefix: str, params,
     the constraint's compilation in one worker thread, never the engine's; then one engine request
     per prompt (`submit`). The engine's errors about the prompt (its length: context_length_exceeded)
     name the route's `prompt_field` (chat's `messages`, embeddings' `input`). Returns the request id
-    (`prefix` + a uuid), the prompts and their streams."""
-    check_model(st, body.model)
+    (`prefix` + a uuid), the prompts and their streams. (Each route has checked `model` before.)"""
     if not st.engine.generates and not isinstance(params, PoolingParams):    # an encoder: embeddings only
         raise RequestError("model", f"model: {model_name(st, getattr(body, 'model', None))} is an embedding model "
                                     "(an encoder); it only serves /v1/embeddings")

@@ -110,8 +110,11 @@ def test_stop_strings_max_tokens_n_and_prompt_logprobs_as_without_drafts(llm, sp
              SamplingParams(max_tokens=7, temperature=0.0),
              SamplingParams(max_tokens=30, temperature=0.9, n=3, seed=5),
              SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1)]
-    for sp in cases:
-        ref, got = llm.generate(GROUNDED[:2], sp), spec_llm.generate(GROUNDED[:2], sp)
+    # every case on both prompts in one batch (one generate each: the cases meet in the same steps)
+    refs = llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
+    gots = spec_llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
+    for k, sp in enumerate(cases):
+        ref, got = refs[2 * k: 2 * k + 2], gots[2 * k: 2 * k + 2]
         assert _ids(got) == _ids(ref), sp
         assert [[(o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in got] == \
                [[(o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in ref], sp
@@ -119,7 +122,7 @@ def test_stop_strings_max_tokens_n_and_prompt_logprobs_as_without_drafts(llm, sp
             for r, g in zip(ref, got):
                 assert [None if d is None else sorted(d) for d in g.prompt_logprobs] == \
                        [None if d is None else sorted(d) for d in r.prompt_logprobs]
-    assert len(got[0].outputs[0].token_ids) == 12
+    assert len(gots[-2].outputs[0].token_ids) == 12
     _assert_idle_and_clean(spec_llm)
 
 
@@ -298,10 +301,13 @@ def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(llm, pac
             assert lr.keys() == lg.keys() and all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
     ref_text = llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
     stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]
-    for sp in (SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), SamplingParams(max_tokens=7, temperature=0),
-               SamplingParams(max_tokens=20, temperature=0.9, n=3, seed=5),
-               SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=1)):
-        ref, got = llm.generate(GROUNDED[:2], sp), packed_draft.generate(GROUNDED[:2], sp)
+    cases = (SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), SamplingParams(max_tokens=7, temperature=0),
+             SamplingParams(max_tokens=20, temperature=0.9, n=3, seed=5),
+             SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=1))
+    refs = llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])     # one batch each
+    gots = packed_draft.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
+    for k, sp in enumerate(cases):
+        ref, got = refs[2 * k: 2 * k + 2], gots[2 * k: 2 * k + 2]
         assert _ids(got) == _ids(ref), sp
         assert [[(o.text, o.finish_reason) for o in r.outputs] for r in got] == \
                [[(o.text, o.finish_reason) for o in r.outputs] for r in ref], sp

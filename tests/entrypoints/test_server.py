@@ -328,7 +328,7 @@ def test_503_when_waiting_queue_full(server):
     assert wait_idle(engine)
 
     async def go():
-        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
             reqs = [c.post(base + "/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 40,
                                                           "ignore_eos": True}) for i in range(90)]
             return await asyncio.gather(*reqs)
