@@ -84,6 +84,7 @@ class EncoderCacheManager:
             users.discard(request_id)
             if not users:
                 del self.users[h]
+        self._make_room(0)                  # back under the capacity, now that these may be evicted
 
     def take_frees(self) -> tuple[str, ...]:
         out, self.to_free = tuple(self.to_free), []

@@ -60,6 +60,8 @@ class LLMEngine:
     def _images(self, prompt, ids: list[int]) -> tuple[list[int], tuple]:
         """A prompt's images (vLLM's {"multi_modal_data": {"image": img | [img, ...]}}): its placeholders
         expanded, an MMFeature per image (engine/multimodal.py); ParamError names the field."""
+        if isinstance(prompt, dict) and "mm_features" in prompt:    # the server expanded them (engine/multimodal.py)
+            return ids, tuple(prompt["mm_features"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             return ids, ()

@@ -269,8 +269,6 @@ class ModelRunner:
         """The rows' input embeddings with each image's vectors at its positions (HF LLaVA's
         masked_scatter), the images not cached encoded first, in one batch; None: no image this step
         (the model embeds the ids itself). Rows are in so.seqs order (no LoRA beside images)."""
-        for h in so.encoder_frees:
-            self.encoder_cache.pop(h, None)
         if not any(s.mm_inputs for s in so.seqs):
             return None
         new = {f.hash: f for s in so.seqs for f in s.mm_inputs if f.hash not in self.encoder_cache}
@@ -295,6 +293,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:           # ended since the last step: nothing of theirs is kept
             self.sampler.forget(rid)
             self.pool_sums.pop(rid, None)
+        for h in so.encoder_frees:                # images the scheduler's encoder cache evicted
+            self.encoder_cache.pop(h, None)
         self.apply_block_ops(so.block_ops)
         if not so.seqs:
             return out
