@@ -107,27 +107,31 @@ class ImageInputs:
         self.limit = limit
 
     def expand(self, ids: list[int], images: list, param: str) -> tuple[list[int], tuple[MMFeature, ...]]:
-        """Each image placeholder (one image token) -> seq_len image tokens, each run an MMFeature of
-        its image (the prompt's images in order). A prompt whose runs are already seq_len long (ids
-        built by HF's processor) is taken as it is."""
+        """Each image placeholder (one image token) -> seq_len image tokens, each an MMFeature of its image
+        (the prompt's images in order). A prompt already expanded (ids built by HF's processor: seq_len
+        image tokens per image) is taken as it is."""
         from pagedserve.model.vision import image_hash
         if len(images) > self.limit:
             raise ParamError(param, f"{param}: {len(images)} images, more than the {self.limit} allowed per prompt "
                                     "(--limit-mm-per-prompt)")
-        runs = _runs(ids, self.token_id)
-        expanded = all(n == self.seq_len for _, n in runs)
-        if len(runs) != len(images) or not (expanded or all(n == 1 for _, n in runs)):
-            raise ParamError(param, f"{param}: the prompt has {sum(n for _, n in runs)} image placeholder tokens in "
-                                    f"{len(runs)} places for {len(images)} images (one placeholder per image)")
+        at = [i for i, t in enumerate(ids) if t == self.token_id]
+        if len(at) == len(images) * self.seq_len and self.seq_len > 1 and \
+                all(at[k + self.seq_len - 1] - at[k] == self.seq_len - 1 for k in range(0, len(at), self.seq_len)):
+            at, width = at[::self.seq_len], self.seq_len        # already expanded
+        elif len(at) == len(images):
+            width = 1
+        else:
+            raise ParamError(param, f"{param}: the prompt has {len(at)} image placeholder tokens for {len(images)} "
+                                    "images (one placeholder per image)")
         out: list[int] = []
         feats = []
         prev = 0
-        for (at, n), img in zip(runs, images):
-            out.extend(ids[prev:at])
+        for i, img in zip(at, images):
+            out.extend(ids[prev:i])
             pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
             feats.append(MMFeature(image_hash(img), len(out), self.seq_len, pixels))
             out.extend([self.token_id] * self.seq_len)
-            prev = at + n
+            prev = i + width
         out.extend(ids[prev:])
         return out, tuple(feats)
 
@@ -139,18 +143,3 @@ def check_image(img, param: str):
         raise ParamError(param, f"{param}: an image must be a PIL.Image.Image, got {type(img).__name__}")
     _check_pixels(img, param)
     return img if img.mode == "RGB" else img.convert("RGB")
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token` in ids."""
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] == token:
-            j = i
-            while j < len(ids) and ids[j] == token:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
