@@ -148,6 +148,21 @@ def test_more_images_than_the_limit(client, server):
     assert _chat(client, [part, {"type": "text", "text": "w6"}]).usage.completion_tokens == 8   # still serving
 
 
+def test_metrics_count_encoder_cache_hits(client, server):
+    import httpx
+
+    def value(text: str, name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    part = {"type": "image_url", "image_url": {"url": data_url(random_image(7))}}
+    before = httpx.get(server[0] + "/metrics").text
+    for _ in range(2):
+        _chat(client, [part, {"type": "text", "text": "w6"}])
+    after = httpx.get(server[0] + "/metrics").text
+    runs, hits = "pagedserve:encoder_cache_misses_total", "pagedserve:encoder_cache_hits_total"
+    assert value(after, runs) - value(before, runs) == 1 and value(after, hits) - value(before, hits) == 1
+    assert value(after, "pagedserve:encoder_cache_tokens") >= 16
+
+
 def test_an_image_to_a_text_only_model(tmp_path):
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
