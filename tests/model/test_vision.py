@@ -1,6 +1,6 @@
 """Images in the prompt (issue 55), LLaVA-1.5: a tiny random LlavaForConditionalGeneration written by
 transformers with its processor. Greedy tokens equal HF's in float32 with one and two images, also
-when chunked prefill splits an image across steps and through preemption (recompute); the same image
+when chunked prefill splits an image across steps and through preemption (recompute and swap); the same image
 in two requests shares its prefix-cache blocks and runs the encoder once; a different image never
 shares them; the encoder budget cuts a chunk before an image; bad input is refused naming the field,
 with nothing left held."""
@@ -73,15 +73,21 @@ def test_chunked_prefill_splits_an_image_and_stays_exact(llava):
     _idle(llm)
 
 
-def test_preemption_recompute_stays_exact(llava):
-    """Three image requests in a pool too small for all: some are preempted and recomputed."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_stays_exact(llava, mode):
+    """Three image requests in a pool too small for all: some are preempted (recomputed, or swapped out
+    and back: a chunk resuming inside an image reads its encoder output again)."""
     path, hf, proc = llava
     cases = [(PROMPT1, [1]), (PROMPT2, [2, 3]), (PROMPT1, [4])]
     refs = [hf_greedy(hf, proc, t, [random_image(s) for s in ims], n=24) for t, ims in cases]
-    llm = _llm(path, num_kv_blocks=30, preemption_mode="recompute")
+    llm = _llm(path, num_kv_blocks=30, preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=12,
+               long_prefill_token_threshold=12)
+    kv, swaps = llm.engine.kv, []
+    swap_out = kv.swap_out
+    kv.swap_out = lambda req: (swaps.append(req.request_id), swap_out(req))[1]
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [random_image(s) for s in ims]}}
                          for t, ims in cases], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
     for o, (ref, lps, _) in zip(outs, refs):
         assert_greedy_match(o.outputs[0].token_ids, ref, lps)
     _idle(llm)
