@@ -36,6 +36,17 @@ def hf_greedy(hf, proc, text: str, images, n: int = 8):
     return out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits], ids
 
 
+_REFS: dict = {}
+
+
+def hf_ref(llava, text: str, seeds: tuple[int, ...], n: int = 8):
+    """hf_greedy on the images of these seeds, computed once per module (HF's generate is the slow part)."""
+    key = (llava[0], text, seeds, n)
+    if key not in _REFS:
+        _REFS[key] = hf_greedy(llava[1], llava[2], text, [random_image(s) for s in seeds], n)
+    return _REFS[key]
+
+
 def _llm(path: str, **kw) -> LLM:
     return LLM(path, **({"dtype": "float32", "num_kv_blocks": 128, "block_size": 4} | kw))
 
@@ -50,7 +61,7 @@ def _idle(llm: LLM) -> None:
 def test_greedy_equals_hf(llava, text, images):
     path, hf, proc = llava
     imgs = [random_image(s) for s in images]
-    ref, lps, ref_ids = hf_greedy(hf, proc, text, imgs)
+    ref, lps, ref_ids = hf_ref(llava, text, tuple(images))
     llm = _llm(path)
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
     assert out.prompt_token_ids == ref_ids          # the placeholder expanded as HF's processor does
@@ -65,7 +76,7 @@ def test_chunked_prefill_splits_an_image_and_stays_exact(llava):
     """6-token chunks: each image's 16 tokens span three or four steps; the encoder runs once per image."""
     path, hf, proc = llava
     imgs = [random_image(1), random_image(2)]
-    ref, lps, _ = hf_greedy(hf, proc, PROMPT2, imgs)
+    ref, lps, _ = hf_ref(llava, PROMPT2, (1, 2))
     llm = _llm(path, max_num_batched_tokens=6, long_prefill_token_threshold=6, enable_prefix_caching=False)
     out = llm.generate({"prompt": PROMPT2, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
     assert_greedy_match(out.outputs[0].token_ids, ref, lps)
@@ -79,7 +90,7 @@ def test_preemption_stays_exact(llava, mode):
     and back: a chunk resuming inside an image reads its encoder output again)."""
     path, hf, proc = llava
     cases = [(PROMPT1, [1]), (PROMPT2, [2, 3]), (PROMPT1, [4])]
-    refs = [hf_greedy(hf, proc, t, [random_image(s) for s in ims], n=24) for t, ims in cases]
+    refs = [hf_ref(llava, t, tuple(ims), n=24) for t, ims in cases]
     llm = _llm(path, num_kv_blocks=30, preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=12,
                long_prefill_token_threshold=12)
     kv, swaps = llm.engine.kv, []
