@@ -161,7 +161,7 @@ class Scheduler:
                         parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
                         first_scheduled_time=parent.first_scheduled_time, generator_seed=seed,
                         prompt_logprobs_done=parent.prompt_logprobs_done,   # a recompute must not redo them
-                        lora_id=parent.lora_id)
+                        lora_id=parent.lora_id, mm_features=parent.mm_features)   # (a recompute reads its images)
         self.requests[child.request_id] = child
         self.kv.fork(parent, child)
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings

@@ -86,8 +86,8 @@ def test_chunked_prefill_splits_an_image_and_stays_exact(llava):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_stays_exact(llava, mode):
-    """Three image requests in a pool too small for all: some are preempted (recomputed, or swapped out
-    and back: a chunk resuming inside an image reads its encoder output again)."""
+    """Three image requests (the last with n=2) in a pool too small for all: some are preempted
+    (recomputed, or swapped out and back: a chunk resuming inside an image reads its encoder output again)."""
     path, hf, proc = llava
     cases = [(PROMPT1, [1]), (PROMPT2, [2, 3]), (PROMPT1, [4])]
     refs = [hf_ref(llava, t, tuple(ims), n=24) for t, ims in cases]
@@ -96,11 +96,29 @@ def test_preemption_stays_exact(llava, mode):
     kv, swaps = llm.engine.kv, []
     swap_out = kv.swap_out
     kv.swap_out = lambda req: (swaps.append(req.request_id), swap_out(req))[1]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=n) for n in (1, 1, 2)]
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [random_image(s) for s in ims]}}
-                         for t, ims in cases], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+                         for t, ims in cases], params)
     assert llm.engine.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
     for o, (ref, lps, _) in zip(outs, refs):
-        assert_greedy_match(o.outputs[0].token_ids, ref, lps)
+        for sample in o.outputs:        # (the last request's two samples: a fork carries its parent's images)
+            assert_greedy_match(sample.token_ids, ref, lps)
+    _idle(llm)
+
+
+def test_a_fork_carries_its_images(llava):
+    """n=2: the second sample is a sequence of its own; recomputed after a preemption, it reads the same
+    images (and its blocks hash with them)."""
+    path, *_ = llava
+    llm = _llm(path)
+    eng = llm.engine
+    eng.add_request("r", {"prompt": PROMPT1, "multi_modal_data": {"image": [random_image(1)]}},
+                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2))
+    eng.step()
+    parent, child = eng.scheduler.requests["r"], eng.scheduler.requests["r#1"]
+    assert child.mm_features == parent.mm_features and len(child.mm_features) == 1
+    while eng.has_unfinished_requests():
+        eng.step()
     _idle(llm)
 
 
