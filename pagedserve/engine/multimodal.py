@@ -143,3 +143,40 @@ def check_image(img, param: str):
         raise ParamError(param, f"{param}: an image must be a PIL.Image.Image, got {type(img).__name__}")
     _check_pixels(img, param)
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def split_image_parts(contents: list, images: ImageInputs | None, tokenizer) -> tuple[list, list[tuple[str, str]]]:
+    """Chat messages' contents (in order) with their `image_url` parts taken out: a message with images
+    becomes one string, its model's placeholder ("<image>\\n" each, before its text, as vLLM writes them for templates
+    of string content), and their URLs come back in order with the field naming each. Refused (naming the
+    part) for a text-only model, or beyond the per-prompt limit, before any image is decoded."""
+    out, urls = [], []
+    for k, content in enumerate(contents):
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                    for p in content):
+            out.append(content)
+            continue
+        texts, n = [], 0
+        for i, p in enumerate(content):
+            param = f"messages[{k}].content[{i}]"
+            if p.get("type") == "text":
+                texts.append(str(p.get("text", "")))
+                continue
+            if p.get("type") != "image_url":
+                raise ParamError(param, f"{param}: content part type {p.get('type')!r} is not supported (text and "
+                                        "image_url)")
+            param += ".image_url"
+            if images is None:
+                raise ParamError(param, f"{param}: this model takes no images (a text-only model)")
+            ref = p.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str):
+                raise ParamError(param, f"{param}: must be {{\"url\": \"data:image/...;base64,...\"}}")
+            urls.append((url, param + ".url"))
+            n += 1
+        if len(urls) > images.limit:
+            raise ParamError("messages", f"messages: more than {images.limit} images in the prompt "
+                                         "(--limit-mm-per-prompt)")
+        mark = tokenizer.convert_ids_to_tokens(images.token_id)
+        out.append(f"{mark}\n" * n + "".join(texts))
+    return out, urls

@@ -14,7 +14,7 @@ from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, check
                                               sse, state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
-from pagedserve.engine.multimodal import image_from_url
+from pagedserve.engine.multimodal import image_from_url, split_image_parts
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -36,7 +36,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                 (top or 0) if body.logprobs else None, constraint=grammar)
 
     def prompt() -> list[dict]:
-        messages, urls = split_images(body.messages, st.engine.images, st.engine.tokenizer)
+        contents, urls = split_image_parts([m.content for m in body.messages], st.engine.images, st.engine.tokenizer)
+        messages = [m if c is m.content else m.model_copy(update={"content": c}) for m, c in zip(body.messages, contents)]
         try:
             msgs = [message_dict(m) for m in messages]
             ids = apply_chat_template(st.engine.tokenizer, msgs, body.add_generation_prompt,
@@ -61,39 +62,6 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             "system_fingerprint": st.system_fingerprint,
             "choices": [_choice(st, body, o, top or 0, mode) for o in out.outputs],
             "usage": usage_of([out])}
-
-
-def split_images(messages: list, images, tokenizer) -> tuple[list, list[tuple[str, str]]]:
-    """Chat messages with their `image_url` parts taken out: each message's images become its model's
-    placeholder ("<image>\\n" each, before its text, as vLLM writes them for templates of string content),
-    and the URLs come back in order with the field naming each. Refused (naming the part) for a
-    text-only model, or beyond the per-prompt limit, before any image is decoded."""
-    out, urls = [], []
-    for k, m in enumerate(messages):
-        if not isinstance(m.content, list) or not any(p.get("type") == "image_url" for p in m.content):
-            out.append(m)
-            continue
-        texts, n = [], 0
-        for i, p in enumerate(m.content):
-            if p.get("type") != "image_url":
-                texts.append(p)
-                continue
-            param = f"messages[{k}].content[{i}].image_url"
-            if images is None:
-                raise RequestError(param, f"{param}: this model takes no images (a text-only model)")
-            ref = p.get("image_url")
-            url = ref.get("url") if isinstance(ref, dict) else ref
-            if not isinstance(url, str):
-                raise RequestError(param, f"{param}: must be {{\"url\": \"data:image/...;base64,...\"}}")
-            urls.append((url, param + ".url"))
-            n += 1
-        if len(urls) > images.limit:
-            raise RequestError("messages", f"messages: more than {images.limit} images in the prompt "
-                                           "(--limit-mm-per-prompt)")
-        mark = tokenizer.convert_ids_to_tokens(images.token_id)
-        text = {"type": "text", "text": f"{mark}\n" * n}
-        out.append(m.model_copy(update={"content": [text] + texts}))
-    return out, urls
 
 
 def _choice(st: ServerState, body: ChatCompletionRequest, o: CompletionOutput, top: int, mode: str) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.errors import ParamError
 from tests.model.families import random_image, save_tiny_llava, tiny_tokenizer
 from tests.model.helpers import assert_greedy_match, save_random_llama
@@ -226,3 +226,27 @@ def test_a_config_we_do_not_compute_is_refused(llava, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises((ModelLoadError, ValueError), match="projector_hidden_act"):
         LLM(str(d), dtype="float32", num_kv_blocks=16)
+
+
+def test_chat_with_image_parts_offline(llava):
+    """LLM.chat takes image_url parts as the server does: the template over the placeholder, HF's tokens."""
+    import base64
+    import io
+    path, hf, proc = llava
+    buf = io.BytesIO()
+    random_image(1).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    llm = _llm(path)
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "w6 w7"},
+                                                 {"type": "image_url", "image_url": {"url": url}}]}], GREEDY)[0]
+    ref, lps, ids = hf_greedy(hf, proc, "w3 <image>\nw6 w7 w4 w5", [random_image(1)])
+    assert out.prompt_token_ids == ids
+    assert_greedy_match(out.outputs[0].token_ids, ref, lps)
+    with pytest.raises(ParamError) as e:
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}]}])
+    assert e.value.param == "messages[0].content[0].image_url.url"
+    with pytest.raises(ParamError) as e:       # beam search would lose the images: refused
+        llm.beam_search([{"prompt": PROMPT1, "multi_modal_data": {"image": random_image(1)}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))
+    assert e.value.param == "multi_modal_data"
+    _idle(llm)
