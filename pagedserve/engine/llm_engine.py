@@ -64,8 +64,10 @@ class LLMEngine:
             return ids, tuple(prompt["mm_features"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
+            if self.core.images is not None and self.core.images.token_id in ids:   # HF refuses it too
+                raise ParamError("prompt", "prompt: it holds image placeholder tokens and no image was given")
             return ids, ()
-        param = prompt.get("multi_modal_param", "multi_modal_data")     # the API's own field name, when given
+        param = "multi_modal_data"
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ParamError(param, f"{param}: takes {{'image': an image or a list of them}} only")
         images = data.get("image")
