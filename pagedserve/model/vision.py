@@ -62,7 +62,8 @@ _LLAVA_READS = frozenset({"text_config", "vision_config", "image_token_index", "
 _LLAVA_INERT = frozenset({"ignore_index", "pad_token_id", "vocab_size"})
 _CLIP_READS = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
                          "patch_size", "num_channels", "layer_norm_eps", "hidden_act"})
-_CLIP_INERT = frozenset({"projection_dim", "initializer_factor", "dropout", "attention_dropout"})
+# (vocab_size: llava-hf's LLaVA-1.5 configs carry one in vision_config; a vision tower has no vocabulary)
+_CLIP_INERT = frozenset({"projection_dim", "initializer_factor", "dropout", "attention_dropout", "vocab_size"})
 
 
 def _check(where: str, d: dict, reads: frozenset, inert: frozenset) -> None:
@@ -178,7 +179,7 @@ def vision_state_dict(cfg: VisionConfig, weights: dict) -> dict:
         name = name.replace("position_embedding.weight", "position_embedding").replace("self_attn.", "")
         name = name.replace("mlp.", "")
         w = weights.pop(key)
-        if name.startswith("vision_tower.post_layernorm."):
+        if name.startswith("vision_tower.post_layernorm.") or name.endswith("position_ids"):   # (never read; a buffer)
             continue
         if name.startswith("vision_tower.layers.") and int(name.split(".")[2]) >= cfg.layers_run:
             continue

@@ -251,3 +251,24 @@ def test_chat_with_image_parts_offline(llava):
                         BeamSearchParams(beam_width=2, max_tokens=2))
     assert e.value.param == "multi_modal_data"
     _idle(llm)
+
+
+def test_the_hub_checkpoint_layout_loads_the_same(llava, tmp_path):
+    """llava-hf's LLaVA-1.5 folders: `vision_tower.vision_model.` names, a position_ids buffer, a
+    vocab_size in vision_config. The same weights so named give the same tokens."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    path, *_ = llava
+    d = tmp_path / "hub-layout"
+    shutil.copytree(path, d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd = {k.replace("vision_tower.", "vision_tower.vision_model."): v for k, v in sd.items()}
+    sd["vision_tower.vision_model.embeddings.position_ids"] = torch.arange(17)[None]
+    save_file(sd, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vision_config"]["vocab_size"] = 32000
+    (d / "config.json").write_text(json.dumps(cfg))
+    prompt = {"prompt": PROMPT1, "multi_modal_data": {"image": random_image(1)}}
+    want = _llm(path).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert _llm(str(d)).generate(prompt, GREEDY)[0].outputs[0].token_ids == want
