@@ -176,3 +176,25 @@ def test_an_image_to_a_text_only_model(tmp_path):
                            {"type": "image_url", "image_url": {"url": data_url(random_image(1))}}])
         assert e.value.body["param"] == "messages[0].content[1].image_url"
         assert "takes no images" in e.value.body["message"]
+
+
+def test_anthropic_image_blocks_equal_chat(client, server):
+    """/v1/messages through the anthropic SDK: a base64 image block is the chat's image_url part (the
+    same prompt, the same tokens); count_tokens counts its image tokens; a URL source is never fetched."""
+    import anthropic
+    ac = anthropic.Anthropic(base_url=server[0], api_key="x", max_retries=0)
+    url = data_url(random_image(4))
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.partition(",")[2]}}
+    content = [image, {"type": "text", "text": "w6 w7"}]
+    m = ac.messages.create(model="m", max_tokens=8, extra_body={"temperature": 0.0},
+                           messages=[{"role": "user", "content": content}])
+    chat = _chat(client, [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w6 w7"}])
+    assert m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens
+    assert ac.messages.count_tokens(model="m", messages=[{"role": "user", "content": content}]).input_tokens == \
+        chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/x.png"}}]}])
+    assert "allowed-media-domains" in e.value.body["error"]["message"]
+    assert idle(server[1]) and not any(server[1].held().values())
