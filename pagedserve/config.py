@@ -185,6 +185,17 @@ class EngineArgs:
     max_cpu_loras: int | None = field(default=None, metadata=_h(
         "most adapters loaded at once (each holds its weights in memory); default: max_loras, the --lora-modules "
         "count, and 8 more"))
+    limit_mm_per_prompt: str | dict | None = field(default=None, metadata=_h(
+        'most images per prompt, vLLM\'s JSON: {"image": 2} (default 4; a vision-language model only)'))
+    allowed_media_domains: list[str] | None = field(default=None, metadata=_h(
+        "hosts an image_url may name (http/https); none by default: only data: URLs are taken. Fetching is not "
+        "implemented, so a URL of an allowed host is refused saying so; others are refused naming the domain"))
+    encoder_budget_tokens: int | None = field(default=None, metadata=_h(
+        "image tokens a step may encode (vLLM's encoder budget: a chunk reaching an image beyond it waits a step); "
+        "default max_num_batched_tokens (at least one image)"))
+    encoder_cache_tokens: int | None = field(default=None, metadata=_h(
+        "image tokens of encoder outputs kept for reuse by content (LRU; those in use always kept); default 4x the "
+        "encoder budget"))
     distributed_executor_backend: str = field(default="mp", metadata=_h(
         "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
         "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
@@ -219,7 +230,9 @@ class EngineArgs:
             if self.device != "cpu" or self.tensor_parallel_size > 1:
                 bad("batch_invariant", "runs on one CPU rank (the packed kernels); device and tensor_parallel_size "
                                        "must be cpu and 1")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        from pagedserve.engine.multimodal import image_limit
+        image_limit(self.limit_mm_per_prompt)
+        for name in ("num_kv_blocks", "max_model_len", "num_threads", "encoder_budget_tokens", "encoder_cache_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 bad(name, "must be a positive integer or None")

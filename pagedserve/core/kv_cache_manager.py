@@ -13,6 +13,12 @@ from pagedserve.core.block_pool import BlockPool, KVBlock
 from pagedserve.core.request import Request
 
 
+def _image_keys(req: Request, start: int, end: int) -> tuple:
+    """The extra key of a block holding positions start..end-1: each image it overlaps, by content hash
+    and where in the image the block begins (vLLM's mm_hash extra keys)."""
+    return tuple(("image", f.hash, start - f.offset) for f in req.mm_features if f.overlaps(start, end))
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """A full block is named by its tokens and everything before it (the parent's hash)."""
     return hash((parent_hash, token_ids))
@@ -129,7 +135,10 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         root = hash(("lora", req.lora_id)) if req.lora_id else None    # an adapter's KV differs from the base's
         for i in range(len(hashes), upto_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else root, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+            tokens = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+            if req.mm_features:       # image tokens are one id whatever the image: the image's hash says which
+                tokens += _image_keys(req, i * bs, (i + 1) * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else root, tokens))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
         """The longest cached prefix of full blocks (per group), capped at num_tokens - 1 so the last

@@ -9,6 +9,24 @@ from typing import Any
 from pagedserve.sampling_params import SamplingParams
 
 
+@dataclass(slots=True, frozen=True)
+class MMFeature:
+    """One image of a prompt: its content hash, and the prompt positions offset..offset+length-1 its
+    encoder vectors fill. `data` is what the runner's encoder reads (its pixels; opaque here)."""
+
+    hash: str
+    offset: int
+    length: int
+    data: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -59,6 +77,7 @@ class Request:
     spec_length: int = 0                         # the n-gram length of its latest draft (0: a draft model's)
     num_draft_computed: int = 0                  # speculative draft_model: positions the draft model's KV holds
     lora_id: int = 0                             # its LoRA adapter (the engine's id for it; 0: the base model)
+    mm_features: tuple[MMFeature, ...] = ()      # images in the prompt, by position (vision-language models)
     # timestamps (monotonic seconds) for latency metrics
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

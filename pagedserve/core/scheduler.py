@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
+from pagedserve.core.encoder_cache import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, SpecStats, choose_drafts, \
@@ -60,9 +61,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 encoder: EncoderCacheManager | None = None):
         self.cfg = cfg
         self.kv = kv
+        self.encoder = encoder                    # a vision-language model's encoder cache and budget, else None
         self.clock = clock                        # injectable: the simulator runs on simulated time
         self.waiting: list[tuple[tuple[int, ...], Request]] = []   # heap on Request.sort_key (a total order)
         self.running: list[Request] = []          # kept sorted by (class, priority, arrival): victims come off the end
@@ -92,7 +95,8 @@ class Scheduler:
         """Per-request entries (none once every request has finished)."""
         return {"scheduler.requests": len(self.requests), "scheduler.running": len(self.running),
                 "scheduler.waiting": len(self.waiting), "scheduler.static_batch": len(self.static_batch),
-                "scheduler.finished_ids": len(self.finished_ids)}
+                "scheduler.finished_ids": len(self.finished_ids),
+                **(self.encoder.held() if self.encoder is not None else {})}
 
     # ------------------------------------------------------------ admission
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -157,7 +161,7 @@ class Scheduler:
                         parent_id=parent.request_id, num_cached_tokens=parent.num_cached_tokens,
                         first_scheduled_time=parent.first_scheduled_time, generator_seed=seed,
                         prompt_logprobs_done=parent.prompt_logprobs_done,   # a recompute must not redo them
-                        lora_id=parent.lora_id)
+                        lora_id=parent.lora_id, mm_features=parent.mm_features)   # (a recompute reads its images)
         self.requests[child.request_id] = child
         self.kv.fork(parent, child)
         bisect.insort(self.running, child, key=_sort_key)   # lands right after its parent and siblings
@@ -175,6 +179,8 @@ class Scheduler:
         plan: list[tuple[Request, int]] = []      # (request, tokens to compute), in scheduling order
         preempted: list[str] = []
         budget, self._num_admitted = self.cfg.max_num_batched_tokens, 0
+        if self.encoder is not None:
+            self.encoder.begin_step()
         if self.classes is None:
             budget = self._schedule_running(plan, preempted, budget, None)
             if not preempted:
@@ -199,7 +205,8 @@ class Scheduler:
         mask = self.grammar.fill_bitmask([self.requests[r].grammar for r in constrained]) if constrained else None
         finished, self.finished_ids = tuple(self.finished_ids), []
         return SchedulerOutput(seqs, self.kv.take_ops(), tuple(preempted), constrained, mask,
-                               num_admitted=self._num_admitted, finished_req_ids=finished)
+                               num_admitted=self._num_admitted, finished_req_ids=finished,
+                               encoder_frees=self.encoder.take_frees() if self.encoder is not None else ())
 
     def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
         """Speculative decoding: draft tokens for the step's decodes, from what is left of the token
@@ -299,8 +306,9 @@ class Scheduler:
         prefix = None
         if draft and draft[0] == DRAFT_PENDING:      # the draft model first reads what its KV lacks
             prefix = tuple(req.all_token_ids[req.num_draft_computed:start])
+        mm = self.encoder.use(req, start, n) if req.mm_features else ()
         seq = ScheduledSeq.of(req, start, n, self.kv.block_tables(req.request_id), start + n == req.num_tokens, plp,
-                              pool, draft, prefix)
+                              pool, draft, prefix, mm)
         req.num_computed_tokens += n + len(draft)
         return seq
 
@@ -316,6 +324,8 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
             if lim is not None:
                 n = lim.fit(req, done, n)
+        if req.mm_features and n > 0:             # images beyond the step's encoder budget wait for a later step
+            n = self.encoder.cut(req, done, n)
         return n
 
     def _schedule_running(self, plan: list, preempted: list[str], budget: int, lim: _StepLimits | None,
@@ -499,6 +509,8 @@ class Scheduler:
             lim.running[req.traffic_class] -= 1 + req.num_pending_forks
             mode = self.classes[req.traffic_class].preemption_mode or mode
         req.num_draft_computed = 0               # a draft model's KV is neither kept nor swapped: it reads again
+        if self.encoder is not None:
+            self.encoder.release(req.request_id)
         if mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
@@ -580,6 +592,8 @@ class Scheduler:
             heapq.heapify(self.waiting)
         req.status = status
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self.static_batch.discard(req.request_id)
         self.finished_ids.append(req.request_id)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.request import Request
+from pagedserve.core.request import MMFeature, Request
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 
@@ -77,6 +77,8 @@ class ScheduledSeq:
     # placeholders the runner's draft model fills before the forward, after first reading these tokens
     # (positions start - len .. start - 1: the ones its own KV lacks); None: the drafts are given
     draft_prefix: tuple[int, ...] | None = None
+    mm_inputs: tuple[MMFeature, ...] = ()   # the images whose positions this chunk overlaps (their vectors
+                                            # replace those rows' embeddings; encoded first if not cached)
 
     @property
     def draft(self) -> tuple[int, ...]:
@@ -98,10 +100,11 @@ class ScheduledSeq:
     @classmethod
     def of(cls, req: Request, start: int, n: int, block_tables: tuple[tuple[int, ...], ...], sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
-           draft: tuple[int, ...] = (), draft_prefix: tuple[int, ...] | None = None) -> ScheduledSeq:
+           draft: tuple[int, ...] = (), draft_prefix: tuple[int, ...] | None = None,
+           mm_inputs: tuple[MMFeature, ...] = ()) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, block_tables,
                    SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id,
-                   draft_prefix)
+                   draft_prefix, mm_inputs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,6 +116,7 @@ class SchedulerOutput:
     grammar_bitmask: Any = None                # (len(grammar_rows), ceil(vocab / 32)) int32: bit t = token t allowed
     num_admitted: int = 0                      # waiting requests that joined the batch this step
     finished_req_ids: tuple[str, ...] = ()     # sequences that ended since the last step: their state is dropped
+    encoder_frees: tuple[str, ...] = ()        # image hashes whose encoder outputs the runner drops (encoder_cache.py)
 
     def for_workers(self) -> SchedulerOutput:
         """The record broadcast to tensor-parallel ranks > 0: everything the forward and the LM head

@@ -15,6 +15,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.grammar import GrammarCompiler
+from pagedserve.core.encoder_cache import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request, RequestStatus, owner_id
@@ -22,6 +23,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
+from pagedserve.engine.multimodal import ImageInputs, image_limit
 from pagedserve.engine.startup import StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
@@ -74,6 +76,7 @@ class Background:
 class EngineCore:
     pooling_types = POOLING_TYPES           # what an embedding request may pool by (EncoderCore: + MAX)
     generates = True                        # EncoderCore: False (it only embeds)
+    images: ImageInputs | None = None       # a vision-language model's image inputs (None: text only)
 
     def __init__(self, args: EngineArgs, startup: StartupTimer | None = None):
         """startup: the record to time the build into (the CLI's, which began with the imports); a new one
@@ -187,7 +190,8 @@ class EngineCore:
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
                                  windows=layout.windows)
-        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv,
+                                   encoder=self._encoder_cache(args, cfg))
         self.scheduler.classes = classes
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
@@ -208,6 +212,21 @@ class EngineCore:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * self.executor.tp.size + (
             self.runner.drafter.kv_cache_bytes if draft is not None else 0)
+
+    def _encoder_cache(self, args: EngineArgs, cfg) -> EncoderCacheManager | None:
+        """A vision-language model's encoder budget and cache (core/encoder_cache.py), and its image inputs
+        (engine/multimodal.py: the processor, the placeholder's expansion, the per-prompt limit)."""
+        self.images = None
+        if cfg.vision is None:
+            return None
+        if args.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters are not supported with a vision-language model")
+        self.images = ImageInputs(self.source.path, cfg.vision, image_limit(args.limit_mm_per_prompt))
+        budget = max(args.encoder_budget_tokens or args.max_num_batched_tokens, cfg.vision.image_seq_len)
+        capacity = max(args.encoder_cache_tokens or 4 * budget, cfg.vision.image_seq_len)
+        log.info("images: %d tokens each, at most %d per prompt; encoder budget %d tokens a step, cache %d tokens",
+                 cfg.vision.image_seq_len, self.images.limit, budget, capacity)
+        return EncoderCacheManager(capacity, budget)
 
     def _finish(self, args: EngineArgs, cfg, spec, draft) -> None:
         """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation."""

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.multimodal import image_from_url, split_image_parts
+from pagedserve.errors import ParamError
 from pagedserve.lora_request import LoRARequest
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
@@ -105,10 +107,22 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Image parts ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}) as the
+        server takes them (engine/multimodal.py)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": apply_chat_template(self.engine.tokenizer, c, add_generation_prompt)}
-                   for c in convs]
+        prompts = [self._chat_prompt(c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, conv: list[dict], add_generation_prompt: bool) -> dict:
+        eng = self.engine
+        contents, urls = split_image_parts([m.get("content") for m in conv], eng.images, eng.tokenizer)
+        conv = [m if c is m.get("content") else {**m, "content": c} for m, c in zip(conv, contents)]
+        ids = apply_chat_template(eng.tokenizer, conv, add_generation_prompt)
+        if not urls:
+            return {"prompt_token_ids": ids}
+        images = [image_from_url(url, param, eng.args.allowed_media_domains) for url, param in urls]
+        ids, feats = eng.images.expand(ids, images, "messages")
+        return {"prompt_token_ids": ids, "mm_features": feats}
 
     # ------------------------------------------------------------ beam search
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
@@ -121,6 +135,8 @@ class LLM:
         the best `width` continuations. Beams share their common prefix through the prefix cache: a
         step re-reads cached full blocks and computes only the tail of the last partial block."""
         eng, width = self.engine, sp.beam_width
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("mm_features")):
+            raise ParamError("multi_modal_data", "multi_modal_data: beam search does not take images")
         text, prompt_ids = eng.tokenize(prompt)
         eos = set(eng.eos_token_ids) if not sp.ignore_eos else set()
         eng.scheduler.check_fits(len(prompt_ids), sp.max_tokens or 1)

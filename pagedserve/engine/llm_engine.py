@@ -13,6 +13,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
+from pagedserve.engine.multimodal import check_image
 from pagedserve.model.loader import resolve_model
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestFailure, RequestOutput
@@ -46,6 +47,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]               # vLLM's TextPrompt: {"prompt": text, "multi_modal_data": ...}
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
@@ -53,6 +56,26 @@ class LLMEngine:
             raise ParamError("prompt", "prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}")
         self.core.check_token_ids("prompt", ids, "prompt_token_ids")
         return (prompt.get("prompt") if isinstance(prompt, dict) else None), list(ids)
+
+    def _images(self, prompt, ids: list[int]) -> tuple[list[int], tuple]:
+        """A prompt's images (vLLM's {"multi_modal_data": {"image": img | [img, ...]}}): its placeholders
+        expanded, an MMFeature per image (engine/multimodal.py); ParamError names the field."""
+        if isinstance(prompt, dict) and "mm_features" in prompt:    # the server expanded them (engine/multimodal.py)
+            return ids, tuple(prompt["mm_features"])
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            if self.core.images is not None and self.core.images.token_id in ids:   # HF refuses it too
+                raise ParamError("prompt", "prompt: it holds image placeholder tokens and no image was given")
+            return ids, ()
+        param = "multi_modal_data"
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ParamError(param, f"{param}: takes {{'image': an image or a list of them}} only")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.core.images is None:
+            raise ParamError(param, f"{param}: this model ({self.core.model_config.arch}) takes no images")
+        images = [check_image(img, f"{param}.image") for img in images]
+        return self.core.images.expand(ids, images, param)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None,
@@ -88,6 +111,7 @@ class LLMEngine:
         core.check_token_ids("logit_bias", params.logit_bias or ())
         text, ids = self.tokenize(prompt)
         ids = core.fit_prompt(ids)          # an encoder truncates as sentence-transformers does
+        ids, mm = self._images(prompt, ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else core.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
                       eos_token_ids=() if params.ignore_eos else core.eos_token_ids, priority=priority,
@@ -97,6 +121,7 @@ class LLMEngine:
             req.arrival_time = arrival_time
         req.pooling = pooling
         req.lora_id = lora_id(core.loras, lora_request)
+        req.mm_features = mm
         core.add(req)                   # raises ParamError / QueueFullError before any state exists
         self.states[request_id] = self.outputs.new_state(RequestState(
             request_id, text, ids, params, stream, params.n, req.arrival_time, klass, sink))

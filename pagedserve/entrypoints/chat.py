@@ -14,6 +14,7 @@ from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, check
                                               sse, state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
+from pagedserve.engine.multimodal import image_from_url, split_image_parts
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -35,8 +36,10 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                 (top or 0) if body.logprobs else None, constraint=grammar)
 
     def prompt() -> list[dict]:
+        contents, urls = split_image_parts([m.content for m in body.messages], st.engine.images, st.engine.tokenizer)
+        messages = [m if c is m.content else m.model_copy(update={"content": c}) for m, c in zip(body.messages, contents)]
         try:
-            msgs = [message_dict(m) for m in body.messages]
+            msgs = [message_dict(m) for m in messages]
             ids = apply_chat_template(st.engine.tokenizer, msgs, body.add_generation_prompt,
                                       tools=tool_calls.template_tools(body, mode), chat_template=st.chat_template,
                                       continue_final_message=body.continue_final_message,
@@ -44,7 +47,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                       **(body.chat_template_kwargs or {}))
         except (ValueError, TypeError) as e:
             raise RequestError(getattr(e, "param", "messages"), str(e)) from None
-        return [{"prompt_token_ids": ids}]
+        if not urls:
+            return [{"prompt_token_ids": ids}]
+        images = [image_from_url(url, param, st.engine.args.allowed_media_domains) for url, param in urls]
+        ids, feats = st.engine.images.expand(ids, images, "messages")
+        return [{"prompt_token_ids": ids, "mm_features": feats}]
     rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt, prompt_field="messages")
     created = int(time.time())
     if body.stream:

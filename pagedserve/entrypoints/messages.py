@@ -28,6 +28,7 @@ from pagedserve.entrypoints.responses import (EngineStreamResponse, Usage, admit
                                               model_name, state)
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError
+from pagedserve.engine.multimodal import image_from_url
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -96,8 +97,10 @@ def _field(block: dict, name: str, kind: type, where: str) -> Any:
     return block[name]
 
 
-def conversation(body: MessagesRequest) -> list[dict]:
-    """`system` and `messages` as chat-template messages; a malformed block is a 400 naming it."""
+def conversation(body: MessagesRequest, images: list[tuple[str, str]] | None = None, mark: str = "") -> list[dict]:
+    """`system` and `messages` as chat-template messages; a malformed block is a 400 naming it. Image
+    blocks (a vision-language model: `images` given) become `mark` + newline where they stand, their
+    data URLs appended to `images` with the field naming each; without `images` they are refused."""
     msgs = [{"role": "system", "content": _text_blocks(body.system, "system")}] if body.system else []
     names: dict[str, str] = {}              # tool_use id -> tool name (tool messages carry it)
     for i, m in enumerate(body.messages):
@@ -106,7 +109,7 @@ def conversation(body: MessagesRequest) -> list[dict]:
         elif m.role == "assistant":
             msgs.append(_assistant_turn(m.content, f"messages[{i}].content", names))
         else:
-            msgs += _user_turn(m.content, f"messages[{i}].content", names)
+            msgs += _user_turn(m.content, f"messages[{i}].content", names, images, mark)
     return msgs
 
 
@@ -128,7 +131,7 @@ def _assistant_turn(blocks: list[dict], where: str, names: dict[str, str]) -> di
     return {"role": "assistant", "content": "".join(text)} | ({"tool_calls": calls} if calls else {})
 
 
-def _user_turn(blocks: list[dict], where: str, names: dict[str, str]) -> list[dict]:
+def _user_turn(blocks: list[dict], where: str, names: dict[str, str], images: list | None, mark: str) -> list[dict]:
     """Text blocks and tool_result blocks: a tool message per result, the text around them as user messages."""
     msgs, text, results = [], [], 0
     for j, b in enumerate(blocks):
@@ -144,12 +147,26 @@ def _user_turn(blocks: list[dict], where: str, names: dict[str, str]) -> list[di
             msgs.append({"role": "tool", "content": f"Error: {result}" if b.get("is_error") else result,
                          "tool_call_id": tid} | ({"name": names[tid]} if tid in names else {}))
             results += 1
+        elif kind == "image" and images is not None:
+            images.append(_image_url(b, at))
+            text.append(f"{mark}\n")
         else:
             raise RequestError(f"{at}.type", f"{at}.type: block type {kind!r} is not supported in a user message "
                                              f"(supported: text, tool_result)")
     if text or not results:
         msgs.append({"role": "user", "content": "".join(text)})
     return msgs
+
+
+def _image_url(block: dict, at: str) -> tuple[str, str]:
+    """An image block's source as a URL (base64 -> a data URL) and the field naming it."""
+    src = _field(block, "source", dict, at)
+    if src.get("type") == "base64":
+        media, data = _field(src, "media_type", str, f"{at}.source"), _field(src, "data", str, f"{at}.source")
+        return f"data:{media};base64,{data}", f"{at}.source.data"
+    if src.get("type") == "url":
+        return _field(src, "url", str, f"{at}.source"), f"{at}.source.url"
+    raise RequestError(f"{at}.source.type", f"{at}.source.type: must be base64 or url, got {src.get('type')!r}")
 
 
 def _kind(block: Any) -> str | None:
@@ -185,15 +202,26 @@ def plan(st: ServerState, body: MessagesRequest) -> tuple[ChatCompletionRequest,
     return chat, mode, tool_calls.template_tools(chat, mode)
 
 
-def prompt_ids(st: ServerState, body: MessagesRequest, tools: list[dict] | None) -> list[int]:
-    """The prompt through the model's chat template; a final assistant turn is continued (prefill)."""
-    msgs = conversation(body)
+def prompt_of(st: ServerState, body: MessagesRequest, tools: list[dict] | None) -> dict:
+    """The prompt through the model's chat template; a final assistant turn is continued (prefill). With
+    image blocks (a vision-language model), the images decoded and their placeholders expanded."""
+    vision = st.engine.images
+    urls: list[tuple[str, str]] | None = [] if vision is not None else None
+    msgs = conversation(body, urls, st.engine.tokenizer.convert_ids_to_tokens(vision.token_id) if vision else "")
     prefill = msgs[-1]["role"] == "assistant" and "tool_calls" not in msgs[-1]
     try:
-        return apply_chat_template(st.engine.tokenizer, msgs, not prefill, tools=tools, chat_template=st.chat_template,
-                                   continue_final_message=prefill)
+        ids = apply_chat_template(st.engine.tokenizer, msgs, not prefill, tools=tools, chat_template=st.chat_template,
+                                  continue_final_message=prefill)
     except (ValueError, TypeError) as e:
         raise RequestError(getattr(e, "param", "messages"), str(e)) from None
+    if not urls:
+        return {"prompt_token_ids": ids}
+    if len(urls) > vision.limit:
+        raise RequestError("messages", f"messages: more than {vision.limit} images in the prompt "
+                                       "(--limit-mm-per-prompt)")
+    images = [image_from_url(url, param, st.engine.args.allowed_media_domains) for url, param in urls]
+    ids, feats = vision.expand(ids, images, "messages")
+    return {"prompt_token_ids": ids, "mm_features": feats}
 
 
 # ---------------------------------------------------------------- the routes
@@ -204,7 +232,7 @@ async def create_message(body: MessagesRequest, http: Request):
     chat, mode, tools = plan(st, body)
     params = to_sampling_params(chat, body.max_tokens, None, constraint=tool_calls.constraint(chat, mode))
     rid, prompts, streams = await admit(st, http, body, "msg_", params,
-                                        lambda: [{"prompt_token_ids": prompt_ids(st, body, tools)}])
+                                        lambda: [prompt_of(st, body, tools)])
     shell = {"id": rid, "type": "message", "role": "assistant", "model": model_name(st, body.model), "content": [],
              "stop_reason": None, "stop_sequence": None}
     n_prompt = len(prompts[0]["prompt_token_ids"])
@@ -222,7 +250,7 @@ async def count_tokens(body: CountTokensRequest, http: Request):
     st = state(http)
     check_model(st, body.model)
     _, _, tools = plan(st, body)
-    return {"input_tokens": len(await asyncio.to_thread(prompt_ids, st, body, tools))}
+    return {"input_tokens": len((await asyncio.to_thread(prompt_of, st, body, tools))["prompt_token_ids"])}
 
 
 # ---------------------------------------------------------------- the response

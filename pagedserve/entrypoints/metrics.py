@@ -71,6 +71,11 @@ class ServerMetrics:
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
                               "tokens by their position in the draft (0 = first)", "position")
+        self.encoder = engine.scheduler.encoder          # a vision-language model's encoder cache (else None)
+        if self.encoder is not None:
+            self.encoder_hits = c("encoder_cache_hits", "Images read from the encoder cache (no encoder run)")
+            self.encoder_runs = c("encoder_cache_misses", "Images encoded (not in the encoder cache)")
+            self.encoder_tokens = g("encoder_cache_tokens", "Image tokens of encoder outputs held")
         # traffic classes: label values are the configured class names (bounded by --traffic-classes)
         self.classes = engine.scheduler.classes
         if self.classes is not None:
@@ -108,6 +113,9 @@ class ServerMetrics:
                   (self.generation_tokens, c.generation_tokens), (self.spec_drafts, sp.num_drafts),
                   (self.spec_draft_tokens, sp.num_draft_tokens), (self.spec_accepted, sp.num_accepted_tokens)]
         totals += [(self.spec_per_pos.labels(position=str(i)), n) for i, n in enumerate(sp.accepted_per_pos)]
+        if self.encoder is not None:
+            totals += [(self.encoder_hits, self.encoder.hits), (self.encoder_runs, self.encoder.misses)]
+            self.encoder_tokens.set(self.encoder.size_tokens)
         for counter, value in totals:            # prometheus counters advance by the engine totals' deltas
             if value > self._last.get(counter, 0):
                 counter.inc(value - self._last.get(counter, 0))

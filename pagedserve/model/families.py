@@ -239,7 +239,8 @@ def hf_config_dict(path: str) -> dict:
     """config.json through transformers' own class for its model_type (defaults and conversions)."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    family_of(raw)
+    if raw.get("model_type") != "llava":      # (LLaVA: its text_config is checked as its family's, in the loader)
+        family_of(raw)
     AutoConfig = from_transformers("AutoConfig")
     try:
         return AutoConfig.for_model(**raw).to_dict()

@@ -229,15 +229,17 @@ class LlamaForCausalLM(nn.Module):
         self.ropes, self.rope_keys = rope_tables(cfg)       # host arithmetic: built on the CPU, even under meta
         self.transposed = False        # small-batch GEMM form of the LM head, see linear()
         self.fused: FusedDecode | None = None     # few-row decode steps in one native call (choose_decode_path)
+        self.vision: nn.Module | None = None      # a vision-language model's image encoder (model/vision.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 md: AttentionMetadata | list[AttentionMetadata], lora: LoRABatch | None = None,
-                max_position: int | None = None) -> torch.Tensor:
+                max_position: int | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """md: one for every layer, or one per layer (layers in different KV groups read different block
         tables: core/kv_layout.py). lora: the step's LoRA adapters by row (model/lora.py), or None.
-        max_position: a bound on `positions` (runner/cuda_graphs.py: nothing read back while capturing)."""
+        max_position: a bound on `positions` (runner/cuda_graphs.py: nothing read back while capturing).
+        embeds: the rows' input embeddings when the runner built them (image vectors at image tokens)."""
         mds = md if isinstance(md, list) else itertools.repeat(md)
-        x = self.embed(input_ids)                                          # (T, hidden)
+        x = self.embed(input_ids) if embeds is None else embeds           # (T, hidden)
         if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
             x = x * self.cfg.embed_scale
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)

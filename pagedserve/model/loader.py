@@ -198,8 +198,12 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
         else:
             read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
             cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
+    if cfg.vision is not None and tp is not None and tp.size > 1:
+        raise ModelLoadError(f"{src.path}: a vision-language model runs on one rank (tensor_parallel_size 1)")
+    vision = _vision_weights(cfg, weights) if cfg.vision is not None else None
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
+        model.vision = None if vision is None else _build_vision(cfg, vision, dtype, device)
     if dense_copy:
         with startup.phase("dense copies"):
             log.info("%s", add_dense_copies(model, dtype))
@@ -233,6 +237,28 @@ def _build_model(src: ModelSource, cfg: ModelConfig, weights: dict, dtype: torch
             setattr(owner, child, packed)
     model.load_state_dict({k: v for k, v in sd.items() if not isinstance(v, Packed)}, assign=True, strict=True)
     return model.to(device).eval()
+
+
+def _vision_weights(cfg: ModelConfig, weights: dict) -> dict:
+    from pagedserve.model.vision import vision_state_dict
+    return vision_state_dict(cfg.vision, weights)
+
+
+def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):
+    """The image encoder (model/vision.py), beside the language model: dense in the model's dtype."""
+    from pagedserve.model.vision import LlavaVision
+    with torch.device("meta"):
+        vision = LlavaVision(cfg.vision)
+    want = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
+    missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or extra:
+        raise ModelLoadError(f"the vision tower's checkpoint tensors do not match its config (missing {missing[:3]}, "
+                             f"unused {extra[:3]})")
+    bad = [k for k, v in sd.items() if tuple(v.shape) != want[k]]
+    if bad:
+        raise ModelLoadError(f"vision tensor {bad[0]} has shape {tuple(sd[bad[0]].shape)}, expected {want[bad[0]]}")
+    vision.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True, strict=True)
+    return vision.to(device).eval()
 
 
 def _check_shapes(src: ModelSource, cfg: ModelConfig, sd: dict, expected: dict[str, tuple]) -> None:
@@ -352,9 +378,21 @@ def _read_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torc
                 weights.update({k: v.to(dtype) for k, v in load_file(os.path.join(path, f)).items()})
             except Exception as e:  # safetensors raises its own error types
                 raise ModelLoadError(f"cannot read safetensors file {f} in {path}: {e}") from e
+    if cfg.vision is not None:          # LLaVA: its language model's tensors under the names a Llama's have
+        weights = {_language_model_name(k): v for k, v in weights.items()}
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         cfg.tie_word_embeddings = True
     return cfg, weights
+
+
+def _language_model_name(key: str) -> str:
+    """A LLaVA checkpoint's name of a language-model tensor -> a Llama's (both layouts transformers wrote:
+    `language_model.model.X` / `language_model.lm_head`, and `model.language_model.X` / `lm_head`)."""
+    for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("model.language_model.", "model.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
 
 
 # ---------------------------------------------------------------- GGUF
@@ -630,7 +668,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _hf_model_config(path: str) -> ModelConfig:
     """config.json -> ModelConfig, refusing any architecture or field we do not compute (families.py)."""
     try:
-        return model_config(hf_config_dict(path))
+        hf = hf_config_dict(path)
+        if hf.get("model_type") != "llava":
+            return model_config(hf)
+        from pagedserve.model.vision import llava_vision_config    # a vision-language model: its parts
+        vision = llava_vision_config(hf)
+        cfg = model_config(hf["text_config"])
+        cfg.vision = vision
+        return cfg
     except UnsupportedModelError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     except (OSError, json.JSONDecodeError, KeyError) as e:

@@ -82,6 +82,10 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.rows_as_decode = rows_as_decode
         self.pool_sums: dict[str, tuple[torch.Tensor, int]] = {}   # embedding requests pooled over chunks so far
+        # images' encoder outputs (image_seq_len, hidden) by content hash; which are kept is the scheduler's
+        # decision (core/encoder_cache.py): each step record names those to drop
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.encoder_runs = 0                       # images encoded (a cached image is not encoded again)
         self.attention_backend = self._attention_backend(attention_backend)
         self.use_native = self.attention_backend == "native"
         self.use_triton = self.attention_backend == "triton"
@@ -260,6 +264,28 @@ class ModelRunner:
         """Per-request entries the runner keeps (0 once every request has ended and been reported)."""
         return {**self.sampler.held(), "runner.pool_sums": len(self.pool_sums)}
 
+    # ------------------------------------------------------------ images
+    def _embeds(self, so: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The rows' input embeddings with each image's vectors at its positions (HF LLaVA's
+        masked_scatter), the images not cached encoded first, in one batch; None: no image this step
+        (the model embeds the ids itself). Rows are in so.seqs order (no LoRA beside images)."""
+        if not any(s.mm_inputs for s in so.seqs):
+            return None
+        new = {f.hash: f for s in so.seqs for f in s.mm_inputs if f.hash not in self.encoder_cache}
+        if new:
+            pixels = torch.stack([f.data for f in new.values()]).to(self.device)
+            for h, v in zip(new, self.model.vision(pixels)):
+                self.encoder_cache[h] = v
+            self.encoder_runs += len(new)
+        x = self.model.embed(input_ids)
+        row = 0
+        for s in so.seqs:
+            for f in s.mm_inputs:                # the overlap of the image's positions and the chunk's
+                lo, hi = max(f.offset, s.start), min(f.end, s.start + s.num_tokens)
+                x[row + lo - s.start:row + hi - s.start] = self.encoder_cache[f.hash][lo - f.offset:hi - f.offset]
+            row += s.num_tokens
+        return x
+
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -267,6 +293,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:           # ended since the last step: nothing of theirs is kept
             self.sampler.forget(rid)
             self.pool_sums.pop(rid, None)
+        for h in so.encoder_frees:                # images the scheduler's encoder cache evicted
+            self.encoder_cache.pop(h, None)
         self.apply_block_ops(so.block_ops)
         if not so.seqs:
             return out
@@ -284,10 +312,11 @@ class ModelRunner:
             md = _to_device(md, dev) if isinstance(md, AttentionMetadata) else _to_device_per_layer(md, dev)
         t1 = time.perf_counter()
         try:
-            if self.graphs is not None and lora is None and self.graphs.takes(input_ids.shape[0], md):
+            embeds = self._embeds(so, input_ids) if getattr(self.model, "vision", None) is not None else None
+            if embeds is None and self.graphs is not None and lora is None and self.graphs.takes(input_ids.shape[0], md):
                 hidden = self.graphs.run(input_ids, positions, md)
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, md, lora)
+                hidden = self.model(input_ids, positions, self.kv_caches, md, lora, embeds=embeds)
             n = len(sample_rows)
             prompt = (md if isinstance(md, AttentionMetadata) else md[0]).num_prefills > 0
             logits = self.model.compute_logits(hidden[torch.tensor(rows[:n], dtype=torch.long, device=dev)],

@@ -157,3 +157,49 @@ def write_gguf(name: str, hf, path, qtype: str | None = None) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+IMAGE_SIZE, PATCH = 28, 7          # a tiny CLIP tower: 16 patches, so 16 image tokens per image
+CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+                 "{% if add_generation_prompt %}w5{% endif %}")
+
+
+def save_tiny_llava(d, sharpen: float = 3.0):
+    """A seeded random LLaVA-1.5 (transformers' LlavaForConditionalGeneration: CLIP tower, feature layer
+    -2, CLS dropped, 2-layer GELU projector, Llama) with its LlavaProcessor (CLIPImageProcessor and the
+    word-level tokenizer plus "<image>", a chat template) saved beside it in d. Returns (model, processor)."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+    tok = tiny_tokenizer(256)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    image_id = tok.convert_tokens_to_ids("<image>")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                      image_seq_length=(IMAGE_SIZE // PATCH) ** 2, vision_feature_layer=-2,
+                      vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    hf = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():     # sharper than the default init: greedy is meaningful and images change it
+        for n, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(sharpen)
+            elif "norm" in n and n.endswith("weight"):
+                p.normal_(1.0, 0.2)
+    hf.save_pretrained(d)
+    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+                          tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
+                          num_additional_image_tokens=1)
+    proc.save_pretrained(d)
+    return hf, proc
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 50)):
+    """A seeded random RGB PIL image (width, height)."""
+    import numpy as np
+    from PIL import Image
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8))

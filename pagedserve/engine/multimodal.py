@@ -1,0 +1,182 @@
+"""Images in the prompt, the frontend side: an image from a request (a PIL image offline; a data URL
+in a chat `image_url` part) checked and decoded, and a prompt's image placeholders expanded to the
+model's image-token count, each run of image tokens an `MMFeature` (content hash, position, pixels)
+the scheduler and runner carry (model/vision.py encodes it).
+
+Nothing is fetched: an http(s) URL is refused unless its host is in `--allowed-media-domains`, and
+even then (fetching is not implemented) refused saying so, so no request makes the server reach
+another host. Every refusal is a ParamError naming the field."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from urllib.parse import urlparse
+
+from pagedserve.core.request import MMFeature
+from pagedserve.errors import ParamError
+
+MAX_IMAGE_PIXELS = 4096 * 4096          # larger images are refused before their pixels are decoded
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_IMAGE_BYTES = 20 * 2**20
+DEFAULT_IMAGE_LIMIT = 4                 # images per prompt unless --limit-mm-per-prompt says otherwise
+
+
+def image_limit(value) -> int:
+    """--limit-mm-per-prompt, vLLM's JSON ({"image": N}) -> N; ValueError names the flag."""
+    if value is None:
+        return DEFAULT_IMAGE_LIMIT
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt must be a JSON object like {{\"image\": 2}}, got {value!r} ({e})") \
+                from None
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise ValueError(f"limit_mm_per_prompt takes the key \"image\" only (the one modality served), got {value!r}")
+    n = value.get("image", DEFAULT_IMAGE_LIMIT)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"limit_mm_per_prompt.image must be a non-negative integer, got {n!r}")
+    return n
+
+
+def decode_image(data: bytes, param: str):
+    """Bytes of an image file -> an RGB PIL image; refused (naming `param`) when not an image, of a
+    format not served, truncated, corrupt or over MAX_IMAGE_PIXELS (checked from the header first)."""
+    from PIL import Image, UnidentifiedImageError
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ParamError(param, f"{param}: the image is {len(data)} bytes, more than the {MAX_IMAGE_BYTES} allowed")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ParamError(param, f"{param}: not an image of a supported format ({', '.join(IMAGE_FORMATS)})") from None
+    except Exception as e:         # PIL raises many kinds on a malformed header (incl. decompression bombs)
+        raise ParamError(param, f"{param}: the image cannot be read ({type(e).__name__}: {e})") from None
+    if img.format not in IMAGE_FORMATS:
+        raise ParamError(param, f"{param}: image format {img.format} is not supported ({', '.join(IMAGE_FORMATS)})")
+    _check_pixels(img, param)
+    try:
+        img.load()                 # a truncated or corrupt body fails here, not in the engine
+        return img.convert("RGB")
+    except Exception as e:
+        raise ParamError(param, f"{param}: the image is truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def _check_pixels(img, param: str) -> None:
+    w, h = img.size
+    if w < 1 or h < 1 or w * h > MAX_IMAGE_PIXELS:
+        raise ParamError(param, f"{param}: the image is {w}x{h} pixels; at most {MAX_IMAGE_PIXELS} are allowed")
+
+
+def image_from_url(url: str, param: str, allowed_domains: list[str] | None):
+    """An `image_url` part's URL -> an RGB PIL image. data: URLs (base64) are decoded here; http(s)
+    URLs are refused: outside --allowed-media-domains always, inside because fetching is not
+    implemented (said in the message); any other scheme is refused."""
+    if not isinstance(url, str):
+        raise ParamError(param, f"{param}: must be a string URL")
+    if url.startswith("data:"):
+        head, sep, payload = url[5:].partition(",")
+        if not sep or not head.endswith(";base64") or not head.startswith("image/"):
+            raise ParamError(param, f"{param}: a data URL must be data:image/<format>;base64,<data>")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ParamError(param, f"{param}: the data URL's base64 is invalid") from None
+        return decode_image(data, param)
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        host = (parsed.hostname or "").lower()
+        if not allowed_domains or host not in {d.lower() for d in allowed_domains}:
+            raise ParamError(param, f"{param}: the domain {host!r} is not in --allowed-media-domains; send the image "
+                                    "as a data URL (data:image/png;base64,...)")
+        raise ParamError(param, f"{param}: fetching images over {parsed.scheme} is not implemented; send the image "
+                                "as a data URL (data:image/png;base64,...)")
+    raise ParamError(param, f"{param}: URL scheme {parsed.scheme or url[:16]!r} is not supported (data: URLs only)")
+
+
+class ImageInputs:
+    """A vision-language model's image inputs: its processor (HF's, saved with the model: the pixels
+    HF's own processor makes), its image token and count, and the per-prompt limit."""
+
+    def __init__(self, path: str, vision_cfg, limit: int):
+        from pagedserve.model.families import from_transformers
+        self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
+        self.token_id: int = vision_cfg.image_token_id
+        self.seq_len: int = vision_cfg.image_seq_len
+        self.limit = limit
+
+    def expand(self, ids: list[int], images: list, param: str) -> tuple[list[int], tuple[MMFeature, ...]]:
+        """Each image placeholder (one image token) -> seq_len image tokens, each an MMFeature of its image
+        (the prompt's images in order). A prompt already expanded (ids built by HF's processor: seq_len
+        image tokens per image) is taken as it is."""
+        from pagedserve.model.vision import image_hash
+        if len(images) > self.limit:
+            raise ParamError(param, f"{param}: {len(images)} images, more than the {self.limit} allowed per prompt "
+                                    "(--limit-mm-per-prompt)")
+        at = [i for i, t in enumerate(ids) if t == self.token_id]
+        if len(at) == len(images) * self.seq_len and self.seq_len > 1 and \
+                all(at[k + self.seq_len - 1] - at[k] == self.seq_len - 1 for k in range(0, len(at), self.seq_len)):
+            at, width = at[::self.seq_len], self.seq_len        # already expanded
+        elif len(at) == len(images):
+            width = 1
+        else:
+            raise ParamError(param, f"{param}: the prompt has {len(at)} image placeholder tokens for {len(images)} "
+                                    "images (one placeholder per image)")
+        out: list[int] = []
+        feats = []
+        prev = 0
+        for i, img in zip(at, images):
+            out.extend(ids[prev:i])
+            pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
+            feats.append(MMFeature(image_hash(img), len(out), self.seq_len, pixels))
+            out.extend([self.token_id] * self.seq_len)
+            prev = i + width
+        out.extend(ids[prev:])
+        return out, tuple(feats)
+
+
+def check_image(img, param: str):
+    """An offline image (a PIL image) -> RGB, its size checked."""
+    from PIL import Image
+    if not isinstance(img, Image.Image):
+        raise ParamError(param, f"{param}: an image must be a PIL.Image.Image, got {type(img).__name__}")
+    _check_pixels(img, param)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def split_image_parts(contents: list, images: ImageInputs | None, tokenizer) -> tuple[list, list[tuple[str, str]]]:
+    """Chat messages' contents (in order) with their `image_url` parts taken out: a message with images
+    becomes one string, its model's placeholder ("<image>\\n" each, before its text, as vLLM writes them for templates
+    of string content), and their URLs come back in order with the field naming each. Refused (naming the
+    part) for a text-only model, or beyond the per-prompt limit, before any image is decoded."""
+    out, urls = [], []
+    for k, content in enumerate(contents):
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                    for p in content):
+            out.append(content)
+            continue
+        texts, n = [], 0
+        for i, p in enumerate(content):
+            param = f"messages[{k}].content[{i}]"
+            if p.get("type") == "text":
+                texts.append(str(p.get("text", "")))
+                continue
+            if p.get("type") != "image_url":
+                raise ParamError(param, f"{param}: content part type {p.get('type')!r} is not supported (text and "
+                                        "image_url)")
+            param += ".image_url"
+            if images is None:
+                raise ParamError(param, f"{param}: this model takes no images (a text-only model)")
+            ref = p.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str):
+                raise ParamError(param, f"{param}: must be {{\"url\": \"data:image/...;base64,...\"}}")
+            urls.append((url, param + ".url"))
+            n += 1
+        if len(urls) > images.limit:
+            raise ParamError("messages", f"messages: more than {images.limit} images in the prompt "
+                                         "(--limit-mm-per-prompt)")
+        mark = tokenizer.convert_ids_to_tokens(images.token_id)
+        out.append(f"{mark}\n" * n + "".join(texts))
+    return out, urls
