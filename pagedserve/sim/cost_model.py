@@ -202,16 +202,18 @@ class LiveCost:
     """The fitted model kept current while serving: each step's (features, seconds) goes into a window of
     the last WINDOW steps (the bound on what it holds: one array row each), fitted first after MIN_SAMPLES
     steps, again each time the samples double, then every REFIT steps. Seeded with a cached calibration of
-    this host when there is one; before any fit it predicts 0 s (nothing is cut). Called with a step's rows,
-    (start, tokens, samples) each: predicted seconds."""
+    this host when there is one; before any fit it predicts by `prior` (the engine gives the device's roofline
+    profile: issue 54 measured what predicting 0 s costs, the first 16 steps of a flood uncut, 1-2.5 s each
+    beside an interactive decode), or 0 s without one. Called with a step's rows, (start, tokens, samples)
+    each: predicted seconds."""
 
     WINDOW = 2048
     REFIT = 128
     MIN_SAMPLES = 16
 
-    def __init__(self, shape: ModelShape, model: FittedCost | None = None):
+    def __init__(self, shape: ModelShape, model: FittedCost | None = None, prior: RooflineCost | None = None):
         import numpy as np
-        self.shape, self.model = shape, model
+        self.shape, self.model, self.prior = shape, model, prior
         self.X, self.y = np.zeros((self.WINDOW, len(FIT_TERMS))), np.zeros(self.WINDOW)
         self.count = 0              # steps observed (the window holds the last min(count, WINDOW))
         self._since_fit = 0
@@ -228,7 +230,8 @@ class LiveCost:
             self._since_fit = 0
 
     def __call__(self, rows: list[tuple[int, int, int]]) -> float:
-        return 0.0 if self.model is None else self.model.step_time(row_features(self.shape, rows))
+        model = self.model if self.model is not None else self.prior
+        return 0.0 if model is None else model.step_time(row_features(self.shape, rows))
 
 
 # Where a host's calibration is cached, and the shape of a running engine: used by the engine (its
