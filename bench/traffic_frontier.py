@@ -20,6 +20,7 @@ from serving import pct as percentile
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.host import describe
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.sim.cost_model import row_features
 
 
 def pct(xs, p):
@@ -87,10 +88,11 @@ def main():
                "b_pre_rows": [(r[1], r[2]) for r in rows if r[0] == "b" and not (r[2] == 1 and r[3])],
                "preempted": len(so.preempted), "swaps": len(so.block_ops.swap_out) + len(so.block_ops.swap_in),
                "running": len(sch.running), "waiting": len(sch.waiting), "limits": dict(sch.last_limits)}
-        # the prediction the scheduler planned with (the model in force before this step's observe)
-        if pre_fit is not None:
-            from pagedserve.sim.cost_model import row_features
-            rec["pred_s"] = pre_fit.step_time(row_features(cost.shape, [r[1:] for r in rows]))
+        # the prediction the scheduler planned with (the model in force before this step's observe; before
+        # the first fit its prior, when the engine has one)
+        planned = pre_fit if pre_fit is not None else getattr(cost, "prior", None) if cost is not None else None
+        if planned is not None:
+            rec["pred_s"] = planned.step_time(row_features(cost.shape, [r[1:] for r in rows]))
         steps.append(rec)
         for o in outs:
             rid, t = o.request_id, time.perf_counter()
@@ -111,11 +113,15 @@ def main():
            "steps": len(ws), "steps_with_interactive_decode": sum(1 for s in ws if s["i_dec"]),
            "of_those_over_target": len(over), "preemptions": sum(s["preempted"] for s in ws),
            "refits": sum(s["refit"] for s in ws),
+           "steps_before_first_fit": sum(1 for s in ws if s["fits_seen"] < 16),
+           "their_time_max_ms": pct([s["step_s"] for s in ws if s["fits_seen"] < 16], 100),
+           "interactive_steps_predicted_over_plan": sum(1 for s in ws if s["i_dec"] and s["pred_s"] is not None
+                                                        and s["pred_s"] > 0.8 * target),
            "batch_computed_tok_s": round(sum(s["b_dec"] + s["b_pre"] for s in ws) / (time.perf_counter() - window), 1)}
     for s in sorted(over, key=lambda s: -s["step_s"])[:8]:
-        pred = "none" if s["pred_s"] is None else f"{s['pred_s'] * 1e3:.1f}"
-        print(f"  over: step {s['step_s'] * 1e3:6.1f} ms at t={s['t']:.1f}s (predicted {pred}; model fitted on "
-              f"{s['fits_seen']} steps{', refit here' if s['refit'] else ''}): interactive {s['i_dec']} decode + "
+        pred = "none (0 s: nothing cut)" if s["pred_s"] is None else f"{s['pred_s'] * 1e3:.1f}"
+        print(f"  over: step {s['step_s'] * 1e3:6.1f} ms at t={s['t']:.1f}s (predicted {pred}; "
+              f"{s['fits_seen']} steps observed{', refit here' if s['refit'] else ''}): interactive {s['i_dec']} decode + "
               f"{s['i_pre']} prefill, batch {s['b_dec']} decodes + prefill {s['b_pre_rows']}, "
               f"{s['preempted']} preempted")
     if a.out:
