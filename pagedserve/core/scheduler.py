@@ -27,8 +27,8 @@ from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidat
     ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
-from pagedserve.core.traffic import ITL_HEADROOM, MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, TrafficClasses, itl_floor_s, \
-    least_step_rows
+from pagedserve.core.traffic import MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, TrafficClasses, itl_floor_s, \
+    least_step_rows, step_headroom
 from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
@@ -680,7 +680,7 @@ class _StepLimits:
         targets = [cls[r.traffic_class].itl_p99_ms for r in sch.running
                    if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
         targets += [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
-        self.target = min(targets) / 1e3 * ITL_HEADROOM if targets and self.cost is not None else None
+        self.target = min(targets) / 1e3 * step_headroom(self.cost) if targets and self.cost is not None else None
         # the decodes the step will carry whatever comes first (issue 54: a prefill chunk sized before them
         # pushed the step past the target): every decode of a class with an ITL target, and one of each other
         # class (its deepest); each leaves this map when its class's decode is planned

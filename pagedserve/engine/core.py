@@ -21,7 +21,7 @@ from pagedserve.core.request import Request, RequestStatus, owner_id
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
-from pagedserve.core.traffic import CLASS_KEYS, ITL_HEADROOM, TrafficClasses, itl_floor_s, reference_floor_rows
+from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses, itl_floor_s, reference_floor_rows, step_headroom
 from pagedserve.engine.startup import StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
@@ -261,7 +261,8 @@ class EngineCore:
         floor_ms = 1e3 * itl_floor_s(self.step_cost, reference_floor_rows(len(classes) - 1, self.max_model_len))
         self.startup_itl_floor_ms = floor_ms
         log.info("traffic classes: ITL floor %.1f ms (a decode beside the other classes' least work at %d tokens "
-                 "of context, predicted over the %g headroom)", floor_ms, self.max_model_len, ITL_HEADROOM)
+                 "of context, predicted over the %.2f headroom)", floor_ms, self.max_model_len,
+                 step_headroom(self.step_cost))
         for line in classes.floor_warnings(floor_ms):
             if strict:
                 raise ValueError(f"strict_slo: {line}")

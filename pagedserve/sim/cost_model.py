@@ -217,8 +217,12 @@ class LiveCost:
         self.X, self.y = np.zeros((self.WINDOW, len(FIT_TERMS))), np.zeros(self.WINDOW)
         self.count = 0              # steps observed (the window holds the last min(count, WINDOW))
         self._since_fit = 0
+        # the p99 of measured / predicted over the window at the last fit (None before one): how far a step
+        # may run past its prediction on this host now (the scheduler keeps that much headroom, issue 54)
+        self.ratio_p99: float | None = None
 
     def observe(self, rows: list[tuple[int, int, int]], seconds: float) -> None:
+        import numpy as np
         i = self.count % self.WINDOW
         self.X[i], self.y[i] = _row(row_features(self.shape, rows)), seconds
         self.count += 1
@@ -228,6 +232,8 @@ class LiveCost:
         if n >= self.MIN_SAMPLES and self._since_fit >= due:
             self.model = fit_arrays(self.X[:n], self.y[:n], self.model.host if self.model is not None else "")
             self._since_fit = 0
+            pred = np.maximum(self.X[:n] @ np.array([self.model.coef[k] for k in FIT_TERMS]), 1e-4)
+            self.ratio_p99 = float(np.quantile(self.y[:n] / pred, 0.99))
 
     def __call__(self, rows: list[tuple[int, int, int]]) -> float:
         model = self.model if self.model is not None else self.prior
