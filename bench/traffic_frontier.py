@@ -74,6 +74,7 @@ def main():
             sent[cur], ni = time.perf_counter(), ni + 1
         fits = cost.count if cost is not None else 0
         pre_fit = cost.model if cost is not None else None
+        prior_scale = getattr(cost, "prior_scale", 1.0)
         ts = time.perf_counter()
         outs = eng.step()
         te = time.perf_counter()
@@ -92,7 +93,8 @@ def main():
         # the first fit its prior, when the engine has one)
         planned = pre_fit if pre_fit is not None else getattr(cost, "prior", None) if cost is not None else None
         if planned is not None:
-            rec["pred_s"] = planned.step_time(row_features(cost.shape, [r[1:] for r in rows]))
+            rec["pred_s"] = planned.step_time(row_features(cost.shape, [r[1:] for r in rows])) * (
+                prior_scale if pre_fit is None else 1.0)
         steps.append(rec)
         for o in outs:
             rid, t = o.request_id, time.perf_counter()

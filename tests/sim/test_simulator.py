@@ -208,3 +208,15 @@ def test_the_live_model_keeps_the_p99_of_its_steps_over_their_predictions():
         rows = [(rng.randint(0, 500), 1, 1) for _ in range(rng.randint(1, 16))]
         quiet.observe(rows, truth.step_time(row_features(shape, rows)))
     assert quiet.ratio_p99 == pytest.approx(1.0, abs=0.02) and step_headroom(quiet) == ITL_HEADROOM
+
+
+def test_before_its_first_fit_the_live_model_predicts_by_its_prior_scaled_to_the_slowest_step_seen():
+    from pagedserve.sim.cost_model import PROFILES, LiveCost, RooflineCost, row_features
+    shape = MODELS["smollm2-135m"]
+    prior = RooflineCost(shape, PROFILES["cpu"])
+    live = LiveCost(shape, None, prior)
+    big, small = [(0, 256, 1)] * 4, [(100, 1, 1)]
+    assert live(big) == prior.step_time(row_features(shape, big)) > live(small) > 0     # not 0: a flood is cut
+    live.observe(small, 3 * prior.step_time(row_features(shape, small)))               # ran 3x its prediction
+    live.observe(small, 2 * prior.step_time(row_features(shape, small)))
+    assert live(big) == pytest.approx(3 * prior.step_time(row_features(shape, big)))
