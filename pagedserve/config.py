@@ -174,6 +174,9 @@ class EngineArgs:
         'max_running, max_budget_share, max_waiting, preemption_mode. A request picks one by traffic_class, the '
         'X-Traffic-Class header or its priority band; higher classes preempt lower ones, and while a class with an '
         'ITL target decodes, prefill is cut to keep the predicted step under it'))
+    strict_slo: bool = field(default=False, metadata=_h(
+        "refuse to start when a traffic class's itl_p99_ms is under this host's floor (the least step carrying "
+        "its decode beside the other classes' least work, by the step-time model; default: a warning naming it)"))
     enable_lora: bool = field(default=False, metadata=_h(
         "serve LoRA adapters (PEFT folders) beside the base model: a request picks one by its `model` "
         "(LLM.generate: lora_request); rows of different adapters share a step"))
@@ -285,6 +288,8 @@ class EngineArgs:
         from pagedserve.core.traffic import TrafficClasses
         if TrafficClasses.parse(self.traffic_classes) is not None and self.scheduling_policy == "static":
             bad("traffic_classes", "are not supported with scheduling_policy static")
+        if self.strict_slo and TrafficClasses.parse(self.traffic_classes) is None:
+            bad("strict_slo", "needs traffic_classes (it checks their itl_p99_ms against the host's floor)")
 
     @classmethod
     def defaults(cls) -> dict:

@@ -28,15 +28,14 @@ from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidat
     ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
-from pagedserve.core.traffic import ITL_HEADROOM, TTFT_STEP_SHARE, TrafficClasses
+from pagedserve.core.traffic import MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, TrafficClasses, itl_floor_s, \
+    least_step_rows, step_headroom
 from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
 
 
 _ARGS = EngineArgs.defaults()
-# prefill tokens a step may always take while an ITL target caps prefill, so prompts never stall
-MIN_PREFILL_CHUNK = 16
 
 
 @dataclass(slots=True)
@@ -617,9 +616,27 @@ class Scheduler:
             running[r.traffic_class] += 1
         for _, r in list(self.waiting):
             waiting[r.traffic_class] += 1
-        limits = dict(self.last_limits)
-        return [{**d, "running": nr, "waiting": nw, "held_by": limits.get(d["name"])}
+        limits, floor = dict(self.last_limits), self.itl_floor_s()
+        return [{**d, "running": nr, "waiting": nw, "held_by": limits.get(d["name"]),
+                 "itl_floor_ms": None if floor is None or d["itl_p99_ms"] is None else round(floor * 1e3, 1)}
                 for d, nr, nw in zip(self.classes.describe(), running, waiting)]
+
+    def itl_floor_s(self) -> float | None:
+        """The least ITL target the host can hold now (traffic.least_step_rows on the running and waiting
+        requests, by the step-time model), or None without classes with an ITL target or a fitted model."""
+        cls = self.classes
+        if cls is None or cls.itl_target_s is None or self.step_cost is None:
+            return None
+        targeted, others, starts = [], [[] for _ in cls.classes], []
+        for r in list(self.running):
+            if r.num_computed_tokens + 1 < r.num_tokens:    # a prompt (or a recompute) still computing
+                starts.append(r.num_computed_tokens)
+            elif cls[r.traffic_class].itl_p99_ms is not None:
+                targeted.append(r.num_computed_tokens)
+            else:
+                others[r.traffic_class].append(r.num_computed_tokens)
+        starts += [r.num_computed_tokens for _, r in list(self.waiting)]
+        return itl_floor_s(self.step_cost, least_step_rows(targeted, others, starts))
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -677,7 +694,19 @@ class _StepLimits:
         targets = [cls[r.traffic_class].itl_p99_ms for r in sch.running
                    if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
         targets += [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
-        self.target = min(targets) / 1e3 * ITL_HEADROOM if targets and self.cost is not None else None
+        self.target = min(targets) / 1e3 * step_headroom(self.cost) if targets and self.cost is not None else None
+        # the decodes the step will carry whatever comes first (issue 54: a prefill chunk sized before them
+        # pushed the step past the target): every decode of a class with an ITL target, and one of each other
+        # class (its deepest); each leaves this map when its class's decode is planned
+        self.forced: dict[object, tuple[int, int, int]] = {}
+        if self.target is not None:
+            for r in sch.running:
+                if r.num_computed_tokens + 1 == r.num_tokens and r.output_token_ids:
+                    c, row = r.traffic_class, (r.num_computed_tokens, 1, 1)
+                    if cls[c].itl_p99_ms is not None:
+                        self.forced[r.request_id] = row
+                    elif row > self.forced.get(c, (-1, 0, 0)):
+                        self.forced[c] = row
         self.held: dict[str, str] = {}            # class name -> what held it back
         self.stopped = False                      # a class lacked slots or blocks: no class after it is admitted
 
@@ -698,7 +727,7 @@ class _StepLimits:
 
     def fit(self, req: Request, start: int, n: int) -> int:
         """A prefill chunk of n tokens at `start`, cut so the step's predicted time stays under the ITL
-        target (MIN_PREFILL_CHUNK tokens of prefill a step always get: prompts never stall)."""
+        target (a step's first prefill chunk always gets up to MIN_PREFILL_CHUNK tokens: prompts never stall)."""
         if self.target is None or n <= 1:
             return n
 
@@ -706,7 +735,7 @@ class _StepLimits:
             return self.over((start, k, 1 if start + k >= req.num_tokens else 0))
         if not over(n):
             return n
-        lo = floor = min(n, max(0, MIN_PREFILL_CHUNK - self.prefill))
+        lo = floor = min(n, MIN_PREFILL_CHUNK) if not self.prefill else 0   # one forced chunk a step, not two
         if floor < n and not over(floor):
             hi = n                                # over(lo) is False, over(hi) is True
             while hi - lo > 1:
@@ -717,14 +746,14 @@ class _StepLimits:
 
     def over(self, row: tuple[int, int, int]) -> bool:
         """The step planned so far plus `row` would pass the time target."""
-        return self.cost([*self.rows.values(), row]) > self.target
+        return self.cost([*self.rows.values(), *self.forced.values(), row]) > self.target
 
     def defer(self, req: Request) -> bool:
         """A decode of a class without an ITL target waits if it would push the step's predicted time
         past the target, unless its class has no decode in this step yet."""
         c = req.traffic_class
         if not self.decodes[c] or not self.over((req.num_computed_tokens, 1, 1)):
-            return False
+            return False                          # (its class's first decode is counted in `forced` till then)
         self.held.setdefault(self.classes[c].name, "decodes deferred by the ITL target")
         return True
 
@@ -736,6 +765,8 @@ class _StepLimits:
             self.prefill += n
         else:
             self.decodes[c] += 1
+            self.forced.pop(req.request_id, None)
+            self.forced.pop(c, None)
         if admitted:
             self.running[c] += 1 + req.num_pending_forks
 

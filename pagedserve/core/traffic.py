@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedserve.errors import ParamError
@@ -23,6 +24,11 @@ ITL_HEADROOM = 0.8
 # a TTFT target bounds every step to this share of it (an arrival waits for the step in flight, then
 # needs a step of its own), whether or not its class has requests running
 TTFT_STEP_SHARE = 0.5
+# prefill tokens a step's first prefill chunk may always take while a time target caps prefill (prompts never
+# stall); a later chunk takes only what fits
+MIN_PREFILL_CHUNK = 16
+
+Row = tuple[int, int, int]           # (start, tokens, samples): a step's row as the step-time model reads it
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +41,46 @@ class TrafficClass:
     max_budget_share: float | None = None   # of max_num_batched_tokens, per step
     max_waiting: int | None = None       # beyond it this class's new requests get 503 (Retry-After)
     preemption_mode: str | None = None   # when this class is preempted; None: the engine's --preemption-mode
+
+
+def least_step_rows(target_decodes: Iterable[int], other_decodes: Iterable[Iterable[int]],
+                    prefill_starts: Iterable[int]) -> list[Row]:
+    """The least step the scheduler's rules guarantee while a class with an ITL target decodes: every decode
+    of the classes with an ITL target (never deferred; their contexts in `target_decodes`), one decode of each
+    other class that has decodes running (one a step always runs, whichever waited longest: the deepest is
+    counted; per class, its decodes' contexts in `other_decodes`) and, when any prompt has tokens left to
+    compute (`prefill_starts`: where each would go on), one chunk of up to MIN_PREFILL_CHUNK tokens that
+    samples (prompts never stall; the first in class order may be the deepest). A monotone step-time model
+    predicts every step the rules may be forced to take at or under this one."""
+    rows = [(c, 1, 1) for c in target_decodes]
+    rows += [(max(cs), 1, 1) for cs in map(list, other_decodes) if cs]
+    starts = list(prefill_starts)
+    if starts:
+        rows.append((max(starts), MIN_PREFILL_CHUNK, 1))
+    return rows
+
+
+def step_headroom(cost) -> float:
+    """The share of a target a step is planned under: ITL_HEADROOM, less where the step-time model's steps
+    run past their predictions by more (its `ratio_p99`, measured / predicted, when it keeps one): on a
+    shared host a plan at 0.8 x the target let one step in five pass it (issue 54)."""
+    ratio = getattr(cost, "ratio_p99", None)
+    return ITL_HEADROOM if not ratio else min(ITL_HEADROOM, 1.0 / ratio)
+
+
+def itl_floor_s(cost: Callable[[list[Row]], float], rows: list[Row]) -> float:
+    """The least ITL target the host can hold for such a step: its predicted time over the headroom (the
+    scheduler plans each step under step_headroom(cost) x the target)."""
+    return cost(rows) / step_headroom(cost)
+
+
+def reference_floor_rows(num_other_classes: int, max_model_len: int) -> list[Row]:
+    """The least step at start-up, before anything runs: one decode of the class (a short context) beside
+    the least unit of every other class at the longest context it may reach (max_model_len): one decode each
+    and one MIN_PREFILL_CHUNK-token chunk. What the host must carry, whatever the lower classes send."""
+    deep = max(1, max_model_len - MIN_PREFILL_CHUNK)
+    return least_step_rows([MIN_PREFILL_CHUNK], [[max_model_len - 1]] * num_other_classes,
+                           [deep] if num_other_classes else [])
 
 
 class TrafficClasses:
@@ -59,6 +105,13 @@ class TrafficClasses:
         """The tightest ITL target of any class (seconds), or None."""
         ts = [c.itl_p99_ms for c in self.classes if c.itl_p99_ms is not None]
         return min(ts) / 1e3 if ts else None
+
+    def floor_warnings(self, floor_ms: float) -> list[str]:
+        """One line per class whose itl_p99_ms is under the floor (ms), naming the class, the field and the floor."""
+        return [f"traffic class {c.name!r}: itl_p99_ms {c.itl_p99_ms:g} is under this host's floor of "
+                f"{floor_ms:.1f} ms (the least step carrying its decode beside the other classes' least work, "
+                f"over the step headroom): its ITL p99 will sit near the floor, not at the target"
+                for c in self.classes if c.itl_p99_ms is not None and c.itl_p99_ms < floor_ms]
 
     def resolve(self, priority: int = 0, name: str | None = None) -> int:
         """The class index of a request; ParamError names `traffic_class` for an unknown name."""

@@ -22,7 +22,7 @@ from pagedserve.core.request import Request, RequestStatus, owner_id
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
-from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
+from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses, itl_floor_s, reference_floor_rows, step_headroom
 from pagedserve.engine.multimodal import ImageInputs, image_limit
 from pagedserve.engine.startup import StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
@@ -40,7 +40,7 @@ from pagedserve.model.quant import choose_quantization, int8_activations, weight
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
-from pagedserve.sim.cost_model import FittedCost, LiveCost, cache_path, shape_of_engine
+from pagedserve.sim.cost_model import PROFILES, FittedCost, LiveCost, RooflineCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
@@ -235,11 +235,13 @@ class EngineCore:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
         self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.step_cost = None                 # the step-time model an ITL target sizes prefill with
+        self.startup_itl_floor_ms = None      # traffic classes: the ITL floor by reference_floor_rows (ms)
         if classes is not None:
             self.step_cost = self.scheduler.step_cost = self._live_cost()
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
+            self._check_floor(classes, args.strict_slo)
         self.loras = None if not args.enable_lora else LoRARegistry(     # the adapters (weights: the runner)
             args, self.runner, cfg, lambda: {r.lora_id for r in self.scheduler.requests.values()})
         self.scheduler.spec = spec
@@ -263,16 +265,41 @@ class EngineCore:
             log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)", spec.method,
                      spec.num_speculative_tokens)
 
+    def _check_floor(self, classes: TrafficClasses, strict: bool) -> None:
+        """The ITL floor at start-up (traffic.reference_floor_rows: a decode beside the other classes' least
+        work at max_model_len), logged; a class's itl_p99_ms under it is warned about, or refused (strict_slo)."""
+        if classes.itl_target_s is None:
+            return
+        if self.step_cost.model is None:
+            if strict:
+                raise ValueError("strict_slo: no step-time model for this host to check itl_p99_ms against (run "
+                                 "`pagedserve simulate --calibrate` once to cache one)")
+            log.info("traffic classes: ITL floor unknown until the step-time model is fitted (after %d steps); "
+                     "then in /debug/scheduler and on /metrics", LiveCost.MIN_SAMPLES)
+            return
+        floor_ms = 1e3 * itl_floor_s(self.step_cost, reference_floor_rows(len(classes) - 1, self.max_model_len))
+        self.startup_itl_floor_ms = floor_ms
+        log.info("traffic classes: ITL floor %.1f ms (a decode beside the other classes' least work at %d tokens "
+                 "of context, predicted over the %.2f headroom)", floor_ms, self.max_model_len,
+                 step_headroom(self.step_cost))
+        for line in classes.floor_warnings(floor_ms):
+            if strict:
+                raise ValueError(f"strict_slo: {line}")
+            log.warning("%s", line)
+
     def _live_cost(self) -> LiveCost:
         """The step-time model of `pagedserve simulate --calibrate`, refitted while serving on this
         engine's own steps; seeded with this host's cached calibration when there is one."""
         path, seed = cache_path(self.args), None
         if os.path.exists(path):
             seed = FittedCost.load(path)
-        cost = LiveCost(shape_of_engine(self), seed)
+        shape = shape_of_engine(self)
+        prior = RooflineCost(shape, PROFILES["h100" if self.args.device == "cuda" else "cpu"])
+        cost = LiveCost(shape, seed, prior)
         log.info("step-time model: %s", f"the calibration {path}, refitted as steps run" if seed else
-                 f"fitted on the first {LiveCost.MIN_SAMPLES} steps (no calibration cached for this host; "
-                 "`pagedserve simulate --calibrate` makes one), refitted as steps run")
+                 f"fitted on the first {LiveCost.MIN_SAMPLES} steps, the {prior.hw.name} roofline until then (no "
+                 "calibration cached for this host; `pagedserve simulate --calibrate` makes one), refitted as "
+                 "steps run")
         return cost
 
     def shutdown(self) -> None:
@@ -362,8 +389,11 @@ class EngineCore:
         if not idle:
             self._record_stats(so, ro, step_s)
             if self.step_cost is not None and so.seqs:
+                fitted = self.step_cost.model is not None
                 self.step_cost.observe([(s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0)
                                         for s in so.seqs], step_s)
+                if not fitted and self.step_cost.model is not None:   # the first fit (no calibration cached)
+                    self._check_floor(self.scheduler.classes, False)
         return out
 
     def _apply(self, so: SchedulerOutput, ro: RunnerOutput) -> list[SeqToken]:

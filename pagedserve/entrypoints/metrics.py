@@ -85,12 +85,18 @@ class ServerMetrics:
             self.class_ttft = h("class_time_to_first_token_seconds", "Time to first token per traffic class", _LAT, k)
             self.class_itl = h("class_inter_token_latency_seconds", "Time between two output tokens per traffic "
                                "class", _LAT, k)
+            self.class_floor = g("class_itl_floor_seconds", "The least itl_p99_ms target the host can hold now for "
+                                 "a class with one (its decodes beside the other classes' least work, by the "
+                                 "step-time model, over the 0.8 headroom); 0 until the model is fitted", k)
             self.class_success = c("class_request_success", "Finished requests per traffic class", k)
             self.class_slo = c("class_slo_met", "Requests of a class whose first token (slo=ttft) or every "
                                "inter-token gap (slo=itl) met its class's p99 target", k, "slo")
             for klass in self.classes:
                 for m in (self.class_running, self.class_waiting, self.class_ttft, self.class_itl, self.class_success):
                     m.labels(traffic_class=klass.name)
+                if klass.itl_p99_ms is not None:
+                    self.class_floor.labels(traffic_class=klass.name).set(
+                        (engine.startup_itl_floor_ms or 0.0) / 1e3)
         self._worst_itl: dict[str, float] = {}   # per stream: its longest gap so far (ITL SLO), with classes
         self._last: dict = {}                    # the engine's running total each counter was last advanced to
         self._tok_seen: dict[str, tuple[int, float]] = {}
@@ -169,6 +175,8 @@ class ServerMetrics:
         for c in sch.class_summary():
             self.class_running.labels(traffic_class=c["name"]).set(c["running"])
             self.class_waiting.labels(traffic_class=c["name"]).set(c["waiting"])
+            if c["itl_floor_ms"] is not None:
+                self.class_floor.labels(traffic_class=c["name"]).set(c["itl_floor_ms"] / 1e3)
 
     def _class_finish(self, klass, m, worst_itl: float) -> None:
         self.class_success.labels(traffic_class=klass.name).inc()

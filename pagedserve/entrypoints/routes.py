@@ -129,7 +129,9 @@ def scheduler_snapshot(st) -> dict:
         "kv": {"blocks_total": kv.pool.num_usable_blocks, "blocks_free": kv.num_free_blocks,
                "blocks_cached": kv.pool.num_cached_blocks(), "usage": kv.usage(), "block_size": kv.block_size},
         "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
-                   "max_model_len": sch.cfg.max_model_len},
+                   "max_model_len": sch.cfg.max_model_len,
+                   "itl_floor_ms_at_startup": None if eng.startup_itl_floor_ms is None
+                   else round(eng.startup_itl_floor_ms, 1)},
         # entries of every request-keyed structure: all 0 once nothing runs or waits (a soak checks it)
         "held": {**st.aengine.held(), **st.metrics.held()},
         # bounded stores that outlive their requests (their bounds are named where they are defined)

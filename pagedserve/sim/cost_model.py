@@ -202,23 +202,35 @@ class LiveCost:
     """The fitted model kept current while serving: each step's (features, seconds) goes into a window of
     the last WINDOW steps (the bound on what it holds: one array row each), fitted first after MIN_SAMPLES
     steps, again each time the samples double, then every REFIT steps. Seeded with a cached calibration of
-    this host when there is one; before any fit it predicts 0 s (nothing is cut). Called with a step's rows,
-    (start, tokens, samples) each: predicted seconds."""
+    this host when there is one; before any fit it predicts by `prior` (the engine gives the device's roofline
+    profile: issue 54 measured what predicting 0 s costs, the first 16 steps of a flood uncut, 1-6 s each
+    beside an interactive decode) times the most a step has run past it so far, or 0 s without one. Called with a step's rows, (start, tokens, samples)
+    each: predicted seconds."""
 
     WINDOW = 2048
     REFIT = 128
     MIN_SAMPLES = 16
 
-    def __init__(self, shape: ModelShape, model: FittedCost | None = None):
+    def __init__(self, shape: ModelShape, model: FittedCost | None = None, prior: RooflineCost | None = None):
         import numpy as np
-        self.shape, self.model = shape, model
+        self.shape, self.model, self.prior = shape, model, prior
         self.X, self.y = np.zeros((self.WINDOW, len(FIT_TERMS))), np.zeros(self.WINDOW)
         self.count = 0              # steps observed (the window holds the last min(count, WINDOW))
         self._since_fit = 0
+        # the p99 of measured / predicted over the window at the last fit (None before one): how far a step
+        # may run past its prediction on this host now (the scheduler keeps that much headroom, issue 54)
+        self.ratio_p99: float | None = None
+        # before the first fit: the prior scaled by the most any step so far ran past it (a roofline assumes an
+        # idle device; on a shared 2-core host steps ran 2-4x its prediction, issue 54)
+        self.prior_scale = 1.0
 
     def observe(self, rows: list[tuple[int, int, int]], seconds: float) -> None:
+        import numpy as np
         i = self.count % self.WINDOW
-        self.X[i], self.y[i] = _row(row_features(self.shape, rows)), seconds
+        f = row_features(self.shape, rows)
+        if self.model is None and self.prior is not None:
+            self.prior_scale = max(self.prior_scale, seconds / max(self.prior.step_time(f), 1e-6))
+        self.X[i], self.y[i] = _row(f), seconds
         self.count += 1
         self._since_fit += 1
         n = min(self.count, self.WINDOW)
@@ -226,9 +238,13 @@ class LiveCost:
         if n >= self.MIN_SAMPLES and self._since_fit >= due:
             self.model = fit_arrays(self.X[:n], self.y[:n], self.model.host if self.model is not None else "")
             self._since_fit = 0
+            pred = np.maximum(self.X[:n] @ np.array([self.model.coef[k] for k in FIT_TERMS]), 1e-4)
+            self.ratio_p99 = float(np.quantile(self.y[:n] / pred, 0.99))
 
     def __call__(self, rows: list[tuple[int, int, int]]) -> float:
-        return 0.0 if self.model is None else self.model.step_time(row_features(self.shape, rows))
+        if self.model is not None:
+            return self.model.step_time(row_features(self.shape, rows))
+        return 0.0 if self.prior is None else self.prior.step_time(row_features(self.shape, rows)) * self.prior_scale
 
 
 # Where a host's calibration is cached, and the shape of a running engine: used by the engine (its

@@ -221,3 +221,93 @@ def test_under_an_itl_target_lower_class_decodes_take_turns():
         seen.append(set(ids) - {"i0"})
         assert s.last_limits == {"batch": "decodes deferred by the ITL target"}
     assert set().union(*seen[:2]) == {f"b{i}" for i in range(10)}   # two steps: each batch sequence once
+
+
+# ------------------------------------------------------------------ the ITL floor (issue 54)
+def row_cost(rows):
+    """A fake step-time model, monotone in every row's context, tokens and samples: 4 ms a step, 1 ms a
+    row, 0.5 ms a token, 2 us a token per context token read, 3 ms a sampled row."""
+    return 0.004 + sum(0.001 + 0.0005 * n + 2e-6 * n * (s + n) + 0.003 * k for s, n, k in rows)
+
+
+def test_the_floor_is_the_least_step_the_rules_guarantee_on_a_fake_cost():
+    from pagedserve.core.traffic import itl_floor_s, least_step_rows, reference_floor_rows
+    rows = least_step_rows([10, 20], [[100, 300], [], [50]], [0, 700, 40])
+    # every targeted decode, the deepest decode of each other class with decodes, one deepest sampling chunk
+    assert rows == [(10, 1, 1), (20, 1, 1), (300, 1, 1), (50, 1, 1), (700, MIN_PREFILL_CHUNK, 1)]
+    assert least_step_rows([10], [[]], []) == [(10, 1, 1)]
+    expected = (0.004 + 4 * (0.001 + 0.0005 + 0.003) + 2e-6 * (11 + 21 + 301 + 51)
+                + 0.001 + 0.0005 * 16 + 2e-6 * 16 * 716 + 0.003) / ITL_HEADROOM
+    assert itl_floor_s(row_cost, rows) == pytest.approx(expected)
+    assert reference_floor_rows(1, 2048) == [(MIN_PREFILL_CHUNK, 1, 1), (2047, 1, 1), (2032, MIN_PREFILL_CHUNK, 1)]
+    assert reference_floor_rows(0, 2048) == [(MIN_PREFILL_CHUNK, 1, 1)]
+    # the scheduler's floor reads its own queues: i0 decoding, b0/b1 decoding, b2 mid-prompt, b3 waiting
+    s = sched(TWO, num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    assert s.itl_floor_s() is None                     # no step-time model yet
+    s.step_cost = row_cost
+    for rid, n in (("b0", 20), ("b1", 40)):
+        s.add_request(mk(rid, n, 1, max_tokens=50))
+    step(s)
+    s.add_request(mk("i0", 8, 0, max_tokens=50))
+    s.add_request(mk("b2", 200, 1, max_tokens=50))
+    step(s)
+    s.add_request(mk("b3", 30, 1))
+    ctx = {r.request_id: r.num_computed_tokens for r in s.running}
+    assert s.running[0].request_id == "i0" and 0 < ctx["b2"] < 199
+    want = least_step_rows([ctx["i0"]], [[], [ctx["b0"], ctx["b1"]]], [ctx["b2"], 0])
+    assert s.itl_floor_s() == pytest.approx(row_cost(want) / ITL_HEADROOM)
+    by_name = {c["name"]: c for c in s.class_summary()}
+    assert by_name["interactive"]["itl_floor_ms"] == round(s.itl_floor_s() * 1e3, 1)
+    assert by_name["batch"]["itl_floor_ms"] is None     # a class without an ITL target has no floor
+
+
+def test_a_target_under_the_floor_is_named_in_the_warning():
+    tc = TrafficClasses.parse(TWO)
+    assert tc.floor_warnings(149.0) == []
+    (line,) = tc.floor_warnings(185.2)
+    assert "'interactive'" in line and "itl_p99_ms 150" in line and "185.2 ms" in line
+
+
+def test_strict_slo_needs_traffic_classes():
+    with pytest.raises(ValueError, match="strict_slo"):
+        EngineArgs(strict_slo=True)
+    assert EngineArgs(strict_slo=True, traffic_classes=TWO).strict_slo
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:                                     # pragma: no cover (hypothesis is a test dependency)
+    raise
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_no_step_passes_the_target_when_the_target_is_over_the_floor(data):
+    """Any workload of both classes (arrivals between steps, prompts of 2-300 tokens, 1-40 tokens out),
+    under a fake monotone cost: whenever the floor (before the step) is at or under the ITL target and the
+    interactive class decodes, the planned step's predicted time is under ITL_HEADROOM x the target."""
+    target_ms = data.draw(st.sampled_from([15.0, 25.0, 40.0, 60.0, 150.0]), label="itl_p99_ms")
+    classes = [{"name": "interactive", "priority": 0, "itl_p99_ms": target_ms}, {"name": "batch", "priority": 10}]
+    s = sched(classes, num_blocks=data.draw(st.integers(64, 600), label="blocks"), bs=16,
+              max_num_batched_tokens=256, long_prefill_token_threshold=data.draw(st.sampled_from([32, 128, 256])),
+              max_num_seqs=data.draw(st.integers(2, 16), label="max_num_seqs"))
+    s.step_cost = row_cost
+    held = 0
+    for k in range(data.draw(st.integers(5, 40), label="steps")):
+        for j in range(data.draw(st.integers(0, 3))):
+            klass = data.draw(st.integers(0, 1))
+            n = data.draw(st.integers(2, 60 if klass == 0 else 300))
+            try:
+                s.add_request(mk(f"{'ib'[klass]}{k}.{j}", n, klass, max_tokens=data.draw(st.integers(1, 40))))
+            except (ParamError, QueueFullError):
+                pass
+        floor = s.itl_floor_s()
+        before = [(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.output_token_ids)) for r in s.running] + \
+            [(r.request_id, r.num_computed_tokens, r.num_tokens, r.status.name) for _, r in s.waiting]
+        decoding = any(r.traffic_class == 0 and r.output_token_ids for r in s.running)
+        so = step(s)
+        rows = [(q.start, q.num_tokens, q.sampling.num_samples if q.sampling else 0) for q in so.seqs]
+        if decoding and floor <= target_ms / 1e3:
+            held += 1
+            assert row_cost(rows) <= ITL_HEADROOM * target_ms / 1e3 + 1e-12, (rows, floor, before, [q.request_id for q in so.seqs], s.last_limits)
+    assert not any(r.status is RequestStatus.RUNNING and r not in s.running for r in s.requests.values())

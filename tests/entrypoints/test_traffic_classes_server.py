@@ -99,3 +99,19 @@ def test_interactive_takes_a_slot_from_batch_which_still_finishes_whole(server):
     snap = httpx.get(base + "/debug/state").json()
     assert [c["name"] for c in snap["health"]["traffic_classes"]] == ["interactive", "batch"]
     assert not engine.has_unfinished_requests() and all(v == 0 for v in engine.held().values())
+
+
+def test_the_itl_floor_is_a_gauge_per_class_with_a_target_and_in_debug_scheduler(server):
+    """Issue 54: pagedserve:class_itl_floor_seconds for each class with an ITL target, from start; once the
+    step-time model is fitted (16 steps), /debug/scheduler gives each such class's floor now."""
+    base, engine = server
+    assert metric(base, "pagedserve:class_itl_floor_seconds", '{traffic_class="interactive"}') >= 0
+    assert metric(base, "pagedserve:class_itl_floor_seconds", '{traffic_class="batch"}') is None
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Count slowly", "max_tokens": 24, "ignore_eos": True,
+                                                   "traffic_class": "interactive"}, timeout=120)
+    assert r.status_code == 200 and engine.step_cost.count >= 16
+    state = httpx.get(base + "/debug/scheduler").json()
+    floors = {c["name"]: c["itl_floor_ms"] for c in state["traffic_classes"]}
+    assert floors["batch"] is None and floors["interactive"] >= 0
+    assert "itl_floor_ms_at_startup" in state["limits"]
+    assert metric(base, "pagedserve:class_itl_floor_seconds", '{traffic_class="interactive"}') >= 0

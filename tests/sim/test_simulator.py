@@ -184,3 +184,39 @@ def test_the_array_fit_is_the_list_fit():
     assert a.coef == pytest.approx(b.coef) and a.rel_error_p50 == pytest.approx(b.rel_error_p50)
     errs = sorted(abs(a.step_time(f) - t) / t for f, t in samples)
     assert a.rel_error_p50 == pytest.approx(errs[len(errs) // 2])
+
+
+def test_the_live_model_keeps_the_p99_of_its_steps_over_their_predictions():
+    """Issue 54: a host whose steps run 1.5x their prediction one time in ten (other work on the cores)
+    has a ratio_p99 near 1.5, and the scheduler plans its steps under 1 / 1.5 of a target, not 0.8."""
+    from pagedserve.core.traffic import ITL_HEADROOM, step_headroom
+    from pagedserve.sim.cost_model import LiveCost, row_features
+    shape = MODELS["smollm2-135m"]
+    truth = FittedCost({"fixed": 0.004, "multirow": 0.002, "seqs": 1e-4, "gemm_flops": 2e-12, "attn_flops": 1e-11,
+                        "kv_bytes": 0.0})
+    live = LiveCost(shape)
+    assert live.ratio_p99 is None and step_headroom(live) == ITL_HEADROOM
+    import random
+    rng = random.Random(2)
+    for i in range(1024):
+        rows = [(rng.randint(0, 500), 1, 1) for _ in range(rng.randint(1, 16))]
+        live.observe(rows, truth.step_time(row_features(shape, rows)) * (1.5 if i % 10 == 0 else 1.0))
+    assert 1.3 < live.ratio_p99 < 1.6
+    assert step_headroom(live) == pytest.approx(1 / live.ratio_p99)
+    quiet = LiveCost(shape)
+    for _ in range(256):
+        rows = [(rng.randint(0, 500), 1, 1) for _ in range(rng.randint(1, 16))]
+        quiet.observe(rows, truth.step_time(row_features(shape, rows)))
+    assert quiet.ratio_p99 == pytest.approx(1.0, abs=0.02) and step_headroom(quiet) == ITL_HEADROOM
+
+
+def test_before_its_first_fit_the_live_model_predicts_by_its_prior_scaled_to_the_slowest_step_seen():
+    from pagedserve.sim.cost_model import PROFILES, LiveCost, RooflineCost, row_features
+    shape = MODELS["smollm2-135m"]
+    prior = RooflineCost(shape, PROFILES["cpu"])
+    live = LiveCost(shape, None, prior)
+    big, small = [(0, 256, 1)] * 4, [(100, 1, 1)]
+    assert live(big) == prior.step_time(row_features(shape, big)) > live(small) > 0     # not 0: a flood is cut
+    live.observe(small, 3 * prior.step_time(row_features(shape, small)))               # ran 3x its prediction
+    live.observe(small, 2 * prior.step_time(row_features(shape, small)))
+    assert live(big) == pytest.approx(3 * prior.step_time(row_features(shape, big)))
