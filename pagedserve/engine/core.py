@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import torch
@@ -22,7 +21,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses
-from pagedserve.engine.startup import StartupTimer, activate, mark, phase
+from pagedserve.engine.startup import Background, StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
@@ -43,32 +42,6 @@ from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Background:
-    """fn(*args) on a daemon thread from now; result() waits for it and returns it or raises its error.
-    The tokenizer loads this way beside the model (transformers' import and the tokenizer file: ~1-2 s,
-    much of it while the model load's torch calls hold no GIL). A daemon thread: a model load that fails
-    first does not wait for it to exit."""
-
-    def __init__(self, fn, *args):
-        self._value, self._error, self.seconds = None, None, 0.0
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pagedserve-startup", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._value = fn(*args)
-        except BaseException as e:       # handed to result()'s caller
-            self._error = e
-        self.seconds = time.perf_counter() - t0
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class EngineCore:

@@ -22,12 +22,13 @@ from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.model.config import ModelConfig
-from pagedserve.model import hub
+from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, add_dense_copies, as_q8_0, describe, quantize_int8, stack_rows)
+                                    PackedWeight, as_q8_0, dense_copies_fit, describe, packed_weights,
+                                    quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
 
@@ -200,14 +201,30 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
             cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
-    if dense_copy:
+    ws = packed_weights(model)
+    fit, line = dense_copies_fit(ws, dtype) if dense_copy else (False, None)
+    key = None              # the packed-weight cache's key where this load is cached (packed_cache.py)
+    if ws and src.kind == "gguf" and device == "cpu" and (tp is None or tp.size == 1):
+        with startup.phase("packed cache read"):
+            key = packed_cache.entry_key(src.path, ws, dtype, int8_act, fit)
+            if packed_cache.restore(key, ws, dtype, fit):
+                log.info("packed weights: interleaved%s from the cache (%s)", " with dense copies" if fit else "",
+                         packed_cache.entry_path(key))
+                key, fit = None, False       # there already: nothing to compute or write
+    if fit:
         with startup.phase("dense copies"):
-            log.info("%s", add_dense_copies(model, dtype))
+            for w in ws:
+                w.dense = w.dequantize(dtype)
+    if line:
+        log.info("%s", line)
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     with startup.phase("kernel loads"):
         log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
         log.info("%s", model.choose_layer_path())
         log.info("%s", model.choose_decode_path())
+    if key is not None:
+        with startup.phase("packed cache write"):
+            packed_cache.save(key, ws)
     return model, cfg
 
 
