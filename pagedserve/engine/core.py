@@ -30,6 +30,7 @@ from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.kv_plan import GiB, pool_blocks, window_plan, workspace_bytes
+from pagedserve.model.families import from_transformers
 from pagedserve.model.llama import FusedDecode
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.lora_request import LoRARegistry
@@ -101,6 +102,9 @@ class EngineCore:
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
+        if self.source.kind == "hf":    # this thread reads config.json through transformers during the load:
+            for name in ("AutoConfig", "AutoTokenizer", "__version__"):     # resolved here first, so the
+                from_transformers(name)  # tokenizer's thread never resolves its lazy module beside this one
         tokenizer = Background(load_tokenizer, self.source)   # beside the model load (issue 56)
         if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
             kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else

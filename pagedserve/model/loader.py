@@ -181,13 +181,13 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
     return model, copy.copy(cfg)
 
 
-def cache_dir(path: str, kind: str) -> str:
+def cache_dir(path: str, kind: str, extra: str = "") -> str:
     """Where derived artefacts of a model file live (converted tokenizer, dequantized weights); the
-    key changes when the file's path, size or mtime does. PAGEDSERVE_CACHE moves the root."""
+    key changes when the file's path, size or mtime (or `extra`: what else made them) does.
+    PAGEDSERVE_CACHE moves the root."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    return os.path.join(root, kind, key)
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{extra}".encode()).hexdigest()[:16]
+    return os.path.join(packed_cache.cache_root(), kind, key)
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
