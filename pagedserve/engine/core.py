@@ -148,8 +148,10 @@ class EngineCore:
         mark("plan")
         with phase("GEMM shapes"):
             for name, m in (("model", self.model), ("draft model", draft)):
-                if m is not None:
+                if m is not None and args.warm_gemm_shapes:
                     log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
+            if not args.warm_gemm_shapes:
+                log.info("GEMM shapes: built as steps meet them (--no-warm-gemm-shapes)")
         with phase("KV pool"):
             self._build_pool(args, cfg, layout, kv_dtype, draft)
         with phase("finish"):
