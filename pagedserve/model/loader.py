@@ -210,8 +210,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
         with startup.phase("packed cache read"):
             key = packed_cache.entry_key(src.path, ws, dtype, int8_act, fit)
             if packed_cache.restore(key, ws, dtype, fit):
-                log.info("packed weights: interleaved%s from the cache (%s)", " with dense copies" if fit else "",
-                         packed_cache.entry_path(key))
+                what = [w for w, on in (("interleaved", int8_act), ("dense copies", fit)) if on] or ["as built"]
+                log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
                 key, fit = None, False       # there already: nothing to compute or write
     if fit:
         with startup.phase("dense copies"):

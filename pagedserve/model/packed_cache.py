@@ -16,7 +16,11 @@ An entry is keyed by everything it depends on (`entry_key`):
 The file name is a digest of the key; the key itself is stored in the file and compared whole on read.
 An entry that does not match (another version, a changed file, a truncated or garbled file, a tensor of
 the wrong shape) is ignored and rebuilt, never trusted; a folder that cannot be written (read-only,
-full) is a warning: the start pays the work and serves."""
+full) is a warning: the start pays the work and serves.
+The tensors read are mapped from the entry (safetensors), not copied: pages are shared between processes
+serving the same file and read as first used. An entry is only ever replaced whole by a rename, never
+rewritten in place, so a mapping keeps the bytes it was opened with (an outside tool truncating the file
+in place while an engine runs would fault it). Old entries are not pruned (~365 MB for the default model)."""
 from __future__ import annotations
 
 import functools
