@@ -107,13 +107,11 @@ def run_llama_server(binary: str, tokens: int, repeats: int) -> dict:
     """llama.cpp's own server: one slot, no prompt cache, 2 threads (as ours), the same prompt token ids;
     timed per request from the client (the HTTP round trip is in it, as it would be for a user)."""
     import signal
-    import socket
     import urllib.request
+    from server_proc import free_port, stop, wait_healthy
     from pagedserve.model.loader import resolve_model
     src = resolve_model(None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     threads = str(os.cpu_count())
     cmd = [binary, "-m", src.path, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", threads,
            "-tb", threads, "--cache-ram", "0", "--no-webui"]
@@ -121,16 +119,7 @@ def run_llama_server(binary: str, tokens: int, repeats: int) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ids = prompt_ids()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited rc={proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        load_s = time.perf_counter() - t0
+        load_s = wait_healthy(proc, f"http://127.0.0.1:{port}/health", t0, 600, why=lambda: " ".join(cmd))[1]
 
         def gen(n):
             body = {"prompt": ids, "n_predict": n, "ignore_eos": True, "temperature": 0, "cache_prompt": False,
@@ -144,11 +133,7 @@ def run_llama_server(binary: str, tokens: int, repeats: int) -> dict:
         with open(f"/proc/{proc.pid}/status") as f:
             hwm = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, signal.SIGINT, 30)
     return {"engine": "llama.cpp llama-server (same GGUF, -np 1, --cache-ram 0)", "tok_s": round(tok_s, 2),
             "load_s": round(load_s, 2), "max_rss_mb": round(hwm / 1024)}
 

@@ -20,23 +20,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+
+from server_proc import free_port, stop, wait_healthy
 
 PROMPT = "What is the capital of France?"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
@@ -63,45 +56,21 @@ def phases_of(log: str) -> dict[str, float]:
     return out
 
 
-def health(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
 def run_serve(cmd: list[str], env: dict, port: int, timeout: float = 300) -> dict:
     """exec -> first answer on the port -> /health 200; then idle RSS (1 s after ready) and peak; SIGTERM."""
     log = tempfile.TemporaryFile(mode="w+")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url, port_s, ready_s = f"http://127.0.0.1:{port}/health", None, None
+
+    def tail() -> str:
+        log.seek(0)
+        return log.read()[-2000:]
     try:
-        while time.perf_counter() - t0 < timeout:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{log.read()[-2000:]}")
-            code = health(url)
-            if code is not None and port_s is None:
-                port_s = time.perf_counter() - t0
-            if code == 200:
-                ready_s = time.perf_counter() - t0
-                break
-            time.sleep(0.02)
-        if ready_s is None:
-            raise RuntimeError(f"not ready in {timeout} s")
+        port_s, ready_s = wait_healthy(proc, f"http://127.0.0.1:{port}/health", t0, timeout, why=tail)
         time.sleep(1.0)
         idle, peak = rss_mb(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGTERM, 60)
     log.seek(0)
     return {"ready_s": ready_s, "port_s": port_s, "idle_rss_mb": idle, "peak_rss_mb": peak,
             "phases": phases_of(log.read())}

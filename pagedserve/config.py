@@ -119,6 +119,10 @@ class EngineArgs:
         "preemption: every row through the same row-wise kernels (packed products, the decode attention "
         "kernel, the fused layer call) with a fixed reduction order; a GGUF file on one CPU rank, no LoRA "
         "(vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); its cost in BENCHMARKS.md"))
+    warm_gemm_shapes: bool = field(default=True, metadata=_h(
+        "build the GEMM library's kernels for every row bucket a step can reach at load (~1-2.5 s), so a "
+        "server's memory is flat from its first request; off: built as steps meet them (the default of "
+        "generate and chat, which meet a few)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
@@ -220,6 +224,8 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.quantization not in ("none", "auto"):
             bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
                                         "sharded)")
+        if not isinstance(self.warm_gemm_shapes, bool):
+            bad("warm_gemm_shapes", "must be True or False")
         if self.packed_rows is not None and (not isinstance(self.packed_rows, int) or isinstance(self.packed_rows, bool)
                                              or self.packed_rows < 1):
             bad("packed_rows", "must be a positive integer or None")

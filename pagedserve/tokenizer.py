@@ -3,11 +3,15 @@ the HF folder), and detokenize incrementally so streamed text is right across mu
 characters split over several tokens."""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 
 from pagedserve.errors import ParamError
 from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
+
+log = logging.getLogger("pagedserve")
 
 
 class SerialTokenizer:
@@ -52,40 +56,64 @@ _LOADED_LOCK = threading.Lock()
 
 
 def load_tokenizer(src: ModelSource) -> SerialTokenizer:
-    """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted
-    once (slow: ~10 s for 49k tokens) and the result cached on disk, keyed by the file's path, size
-    and mtime; within a process a GGUF's tokenizer is built once and shared by every engine on that
-    file (as its weights are: model/loader.py), since nothing writes to a tokenizer after it is built
-    (reading it from tokenizer.json costs ~1-1.5 s per engine otherwise)."""
+    """The model's tokenizer (`build_tokenizer`). Within a process a GGUF's tokenizer is built once and
+    shared by every engine on that file (as its weights are: model/loader.py), since nothing writes to a
+    tokenizer after it is built (reading the saved tokenizer.json costs ~0.6-1.5 s per engine otherwise)."""
     if src.kind == "hf":
-        return _build_tokenizer(src)
+        return build_tokenizer(src)
     st = os.stat(src.path)
     key = (os.path.realpath(src.path), st.st_size, st.st_mtime_ns)
     with _LOADED_LOCK:      # two engines started at once build it once
         if key not in _LOADED:
-            _LOADED[key] = _build_tokenizer(src)
+            _LOADED[key] = build_tokenizer(src)
         return _LOADED[key]
 
 
-def _build_tokenizer(src: ModelSource) -> SerialTokenizer:
+def build_tokenizer(src: ModelSource) -> SerialTokenizer:
+    """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted by
+    transformers once (slow: ~10 s for 49k tokens) and saved to the cache as tokenizer.json (+ its config
+    and chat template), keyed by the file's path, size and mtime and transformers' version; later starts
+    load that with PreTrainedTokenizerFast (~0.6 s, AutoTokenizer's class lookup skipped). A saved
+    tokenizer that does not load is converted again; a cache that cannot be written only costs the
+    conversion next time."""
     from pagedserve.model.families import from_transformers
-    AutoTokenizer = from_transformers("AutoTokenizer")
     try:
         if src.kind == "hf":
-            return SerialTokenizer(AutoTokenizer.from_pretrained(src.path))
-        cache = cache_dir(src.path, "tokenizers")
+            return SerialTokenizer(from_transformers("AutoTokenizer").from_pretrained(src.path))
+        cache = cache_dir(src.path, "tokenizers", extra=from_transformers("__version__"))
         if os.path.isfile(os.path.join(cache, "tokenizer.json")):
-            return SerialTokenizer(AutoTokenizer.from_pretrained(cache))
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path))
-        try:
-            tok.save_pretrained(cache)
-        except OSError:
-            pass  # a read-only home only costs the conversion next time
+            try:
+                return SerialTokenizer(from_transformers("PreTrainedTokenizerFast").from_pretrained(cache))
+            except Exception as e:     # truncated, garbled: converted again below
+                log.warning("saved tokenizer in %s ignored (%s: %s); converting %s's vocabulary again", cache,
+                            type(e).__name__, str(e)[:200], os.path.basename(src.path))
+        tok = convert_gguf_tokenizer(src.path)
+        _save(tok, cache)
         return SerialTokenizer(tok)
     except ModelLoadError:
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer for {src.path}: {e}") from e
+
+
+def convert_gguf_tokenizer(path: str):
+    """transformers' own conversion of a GGUF file's vocabulary to a fast tokenizer."""
+    from pagedserve.model.families import from_transformers
+    return from_transformers("AutoTokenizer").from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def _save(tok, cache: str) -> None:
+    """Into a folder of its own first, then renamed into place: a reader sees a whole tokenizer or none."""
+    tmp = f"{cache}.{os.getpid()}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(cache, ignore_errors=True)      # a damaged one
+        os.replace(tmp, cache)
+    except OSError as e:
+        log.warning("converted tokenizer not saved (%s: %s): the next start converts it again", cache,
+                    e.strerror or e)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

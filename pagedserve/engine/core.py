@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import torch
@@ -24,7 +23,7 @@ from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measu
 from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses, itl_floor_s, reference_floor_rows, step_headroom
 from pagedserve.engine.multimodal import ImageInputs, image_limit
-from pagedserve.engine.startup import StartupTimer, activate, mark, phase
+from pagedserve.engine.startup import Background, StartupTimer, activate, mark, phase
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
@@ -33,6 +32,7 @@ from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.kv_plan import GiB, pool_blocks, window_plan, workspace_bytes
+from pagedserve.model.families import from_transformers
 from pagedserve.model.llama import FusedDecode
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.lora_request import LoRARegistry
@@ -45,32 +45,6 @@ from pagedserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pagedserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Background:
-    """fn(*args) on a daemon thread from now; result() waits for it and returns it or raises its error.
-    The tokenizer loads this way beside the model (transformers' import and the tokenizer file: ~1-2 s,
-    much of it while the model load's torch calls hold no GIL). A daemon thread: a model load that fails
-    first does not wait for it to exit."""
-
-    def __init__(self, fn, *args):
-        self._value, self._error, self.seconds = None, None, 0.0
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pagedserve-startup", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._value = fn(*args)
-        except BaseException as e:       # handed to result()'s caller
-            self._error = e
-        self.seconds = time.perf_counter() - t0
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class EngineCore:
@@ -131,6 +105,9 @@ class EngineCore:
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
+        if self.source.kind == "hf":    # this thread reads config.json through transformers during the load:
+            for name in ("AutoConfig", "AutoTokenizer", "__version__"):     # resolved here first, so the
+                from_transformers(name)  # tokenizer's thread never resolves its lazy module beside this one
         tokenizer = Background(load_tokenizer, self.source)   # beside the model load (issue 56)
         if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
             kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else
@@ -174,8 +151,10 @@ class EngineCore:
         mark("plan")
         with phase("GEMM shapes"):
             for name, m in (("model", self.model), ("draft model", draft)):
-                if m is not None:
+                if m is not None and args.warm_gemm_shapes:
                     log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
+            if not args.warm_gemm_shapes:
+                log.info("GEMM shapes: built as steps meet them (--no-warm-gemm-shapes)")
         with phase("KV pool"):
             self._build_pool(args, cfg, layout, kv_dtype, draft)
         with phase("finish"):

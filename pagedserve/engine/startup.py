@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -125,3 +126,29 @@ def mark(name: str) -> None:
     """End the phase `name` in the active timer now (nothing when there is none)."""
     if _ACTIVE is not None:
         _ACTIVE.mark(name)
+
+
+class Background:
+    """fn(*args) on a daemon thread from now; result() waits for it and returns it or raises its error.
+    The tokenizer loads this way beside the model (transformers' import and the tokenizer file: ~1-2 s,
+    much of it while the model load's torch calls hold no GIL). A daemon thread: a model load that fails
+    first does not wait for it to exit."""
+
+    def __init__(self, fn, *args):
+        self._value, self._error, self.seconds = None, None, 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pagedserve-startup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = fn(*args)
+        except BaseException as e:       # handed to result()'s caller
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

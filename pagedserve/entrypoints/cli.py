@@ -175,7 +175,7 @@ def _generate_flags(g: argparse.ArgumentParser) -> None:
     add_sampling_flags(g)
     _log_level_flag(g, "warning")
     EngineArgs.add_cli_args(g)
-    g.set_defaults(fn=cmd_generate)
+    g.set_defaults(fn=cmd_generate, warm_gemm_shapes=False)    # a one-shot answer meets a few shapes
 
 
 def _chat_flags(c: argparse.ArgumentParser) -> None:
@@ -183,7 +183,7 @@ def _chat_flags(c: argparse.ArgumentParser) -> None:
     add_sampling_flags(c)
     _log_level_flag(c, "warning")
     EngineArgs.add_cli_args(c)
-    c.set_defaults(fn=cmd_chat)
+    c.set_defaults(fn=cmd_chat, warm_gemm_shapes=False)
 
 
 def _serve_flags(s: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -223,16 +222,13 @@ def check_rope(fam: Family, params: dict) -> None:
                                         "implemented for this family")
 
 
-_TRANSFORMERS_IMPORT = threading.Lock()
-
-
 def from_transformers(name: str):
-    """One of transformers' top-level names, imported under one lock: the tokenizer loads on a thread
-    beside the model (issue 56), and two threads resolving transformers' lazy module at once failed
-    with "cannot import name 'AutoConfig' from 'transformers'" (a torchrun start, 1 in a few)."""
-    with _TRANSFORMERS_IMPORT:
-        import transformers
-        return getattr(transformers, name)
+    """One of transformers' top-level names (resolved through its lazy module). Two threads resolving
+    that module at once failed with "cannot import name 'AutoConfig' from 'transformers'" (a torchrun
+    start, 1 in a few): an engine's load keeps to one resolving thread (EngineCore._build resolves the
+    names on its own thread before the tokenizer's thread starts, where the load itself needs them)."""
+    import transformers
+    return getattr(transformers, name)
 
 
 def hf_config_dict(path: str) -> dict:

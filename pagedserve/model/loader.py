@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import struct
+import sys
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,12 +24,13 @@ from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
 from pagedserve.model.config import ModelConfig
-from pagedserve.model import hub
+from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, add_dense_copies, as_q8_0, describe, quantize_int8, stack_rows)
+                                    PackedWeight, as_q8_0, dense_copies_fit, describe, packed_weights,
+                                    quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
 
@@ -180,13 +183,13 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
     return model, copy.copy(cfg)
 
 
-def cache_dir(path: str, kind: str) -> str:
+def cache_dir(path: str, kind: str, extra: str = "") -> str:
     """Where derived artefacts of a model file live (converted tokenizer, dequantized weights); the
-    key changes when the file's path, size or mtime does. PAGEDSERVE_CACHE moves the root."""
+    key changes when the file's path, size or mtime (or `extra`: what else made them) does.
+    PAGEDSERVE_CACHE moves the root."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    return os.path.join(root, kind, key)
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{extra}".encode()).hexdigest()[:16]
+    return os.path.join(packed_cache.cache_root(), kind, key)
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
@@ -204,14 +207,30 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
         model.vision = None if vision is None else _build_vision(cfg, vision, dtype, device)
-    if dense_copy:
+    ws = packed_weights(model)
+    fit, line = dense_copies_fit(ws, dtype) if dense_copy else (False, None)
+    key = None              # the packed-weight cache's key where this load is cached (packed_cache.py)
+    if ws and src.kind == "gguf" and device == "cpu" and (tp is None or tp.size == 1):
+        with startup.phase("packed cache read"):
+            key = packed_cache.entry_key(src.path, ws, dtype, int8_act, fit)
+            if packed_cache.restore(key, ws, dtype, fit):
+                what = [w for w, on in (("interleaved", int8_act), ("dense copies", fit)) if on] or ["as built"]
+                log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
+                key, fit = None, False       # there already: nothing to compute or write
+    if fit:
         with startup.phase("dense copies"):
-            log.info("%s", add_dense_copies(model, dtype))
+            for w in ws:
+                w.dense = w.dequantize(dtype)
+    if line:
+        log.info("%s", line)
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     with startup.phase("kernel loads"):
         log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
         log.info("%s", model.choose_layer_path())
         log.info("%s", model.choose_decode_path())
+    if key is not None:
+        with startup.phase("packed cache write"):
+            packed_cache.save(key, ws)
     return model, cfg
 
 
@@ -397,6 +416,10 @@ def _language_model_name(key: str) -> str:
 
 # ---------------------------------------------------------------- GGUF
 
+# a uint64 of the file: in this host's byte order ("I"), or swapped ("S"), as gguf's reader says
+_U64 = {"I": struct.Struct("=Q").unpack_from, "S": struct.Struct(">Q" if sys.byteorder == "little" else "<Q").unpack_from}
+
+
 def gguf_reader(path: str):
     """gguf's reader, but an array field is read as one span (its element type, its length, its bytes),
     not element by element: the tokenizer's 150k-entry arrays took ~8 s of every start of a Qwen2.5 file
@@ -412,10 +435,10 @@ def gguf_reader(path: str):
             itype = self._get(orig_offs, np.uint32)
             alen = self._get(orig_offs + 4, np.uint64)
             offs, n, t = orig_offs + 12, int(alen[0]), gguf.GGUFValueType(itype[0])
-            if t == gguf.GGUFValueType.STRING:          # walk the lengths only
-                data = self.data
+            if t == gguf.GGUFValueType.STRING:          # walk the lengths only (struct on the mapped bytes:
+                buf, length = memoryview(self.data), _U64[self.byte_order]    # ~30x numpy's slice per string)
                 for _ in range(n):
-                    offs += 8 + int(data[offs:offs + 8].view(np.uint64)[0])
+                    offs += 8 + length(buf, offs)[0]
             elif t == gguf.GGUFValueType.ARRAY:
                 raise ValueError("nested GGUF arrays are not read")
             else:

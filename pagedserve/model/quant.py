@@ -538,17 +538,24 @@ def add_dense_copies(model: nn.Module, dtype: torch.dtype, free_bytes: int | Non
     take at most DENSE_COPY_SHARE of the free memory; without them many-row products dequantize a
     tile at a time (slower: measured in BENCHMARKS.md). Returns the line logged at load."""
     ws = packed_weights(model)
+    fit, line = dense_copies_fit(ws, dtype, free_bytes)
+    if fit:
+        for w in ws:
+            w.dense = w.dequantize(dtype)
+    return line
+
+
+def dense_copies_fit(ws: list[Packed], dtype: torch.dtype, free_bytes: int | None = None) -> tuple[bool, str]:
+    """Whether the packed weights `ws` get dense copies (add_dense_copies' rule), and the line logged."""
     if not ws:
-        return "dense copies: none needed (no packed weights)"
+        return False, "dense copies: none needed (no packed weights)"
     need = sum(w.shape[0] * w.K for w in ws) * dtype.itemsize
     free = available_memory_bytes() if free_bytes is None else free_bytes
     if need > DENSE_COPY_SHARE * free:
-        return (f"dense copies: skipped ({need / 2**20:.0f} MiB would exceed {DENSE_COPY_SHARE:.0%} of "
-                f"{free / 2**20:.0f} MiB free): many-row products dequantize tiles")
-    for w in ws:
-        w.dense = w.dequantize(dtype)
-    return f"dense copies: {len(ws)} weights, {need / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')} " \
-           "for many-row products"
+        return False, (f"dense copies: skipped ({need / 2**20:.0f} MiB would exceed {DENSE_COPY_SHARE:.0%} of "
+                       f"{free / 2**20:.0f} MiB free): many-row products dequantize tiles")
+    return True, (f"dense copies: {len(ws)} weights, {need / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')} "
+                  "for many-row products")
 
 
 def describe(model: nn.Module) -> str:

@@ -125,3 +125,12 @@ def test_serve_on_a_busy_port_exits_1_before_loading(capsys):
         assert main(["serve", "--port", str(port), "--num-kv-blocks", "64"]) == 1
         assert time.perf_counter() - t < 5              # (not a timing claim: the load would take longer)
     assert f"--port {port}" in capsys.readouterr().err
+
+
+def test_one_shot_commands_build_gemm_shapes_as_they_meet_them():
+    """generate and chat meet a few GEMM shapes: not every bucket built at load (~1-2.5 s, issue 56); a
+    server builds them all before serving (flat memory); either can be asked for."""
+    p = build_parser()
+    assert [p.parse_args(a).warm_gemm_shapes for a in (["generate", "x"], ["chat"], ["serve"])] == [False, False, True]
+    assert p.parse_args(["generate", "x", "--warm-gemm-shapes"]).warm_gemm_shapes is True
+    assert p.parse_args(["serve", "--no-warm-gemm-shapes"]).warm_gemm_shapes is False

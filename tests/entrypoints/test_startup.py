@@ -129,12 +129,18 @@ def _check_record(rec: StartupTimer, *names: str) -> None:
     assert rec.ready and rec.current == "ready"
 
 
-def test_the_startup_record_has_every_phase():
+def test_the_startup_record_has_every_phase(tmp_path, monkeypatch):
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.model import loader
+    from pagedserve.model import loader, packed_cache
+    monkeypatch.setattr(packed_cache, "cache_root", lambda: str(tmp_path))   # an empty packed-weight cache
     loader._LOADED.clear()                  # a load of its own: the loader's phases too
     eng = LLMEngine(num_kv_blocks=64)
-    _check_record(eng.startup, *CORE_PHASES, *LOADER_PHASES, "dense copies")
+    _check_record(eng.startup, *CORE_PHASES, *LOADER_PHASES, "packed cache read", "dense copies",
+                  "packed cache write")
+    loader._LOADED.clear()                  # the next start: the packed weights read from the cache
+    eng = LLMEngine(num_kv_blocks=64)
+    _check_record(eng.startup, *CORE_PHASES, *LOADER_PHASES, "packed cache read")
+    assert "dense copies" not in eng.startup.seconds() and "packed cache write" not in eng.startup.seconds()
     again = LLMEngine(num_kv_blocks=64)     # the model shared with the first engine: one phase for it
     _check_record(again.startup, *CORE_PHASES, "model (shared, loaded before)")
     assert eng.startup.as_dict()["phases"][0]["phase"] == "resolve model"
