@@ -695,13 +695,14 @@ class _StepLimits:
                    if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
         targets += [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
         self.target = min(targets) / 1e3 * step_headroom(self.cost) if targets and self.cost is not None else None
-        # the decodes the step will carry whatever comes first (issue 54: a prefill chunk sized before them
-        # pushed the step past the target): every decode of a class with an ITL target, and one of each other
-        # class (its deepest); each leaves this map when its class's decode is planned
+        # the one-token rows the step will carry whatever comes first (issue 54: a prefill chunk sized before
+        # them pushed the step past the target): every decode of a class with an ITL target, and one of each
+        # other class (its deepest); each leaves this map when its class's decode is planned. A prompt's last
+        # token is such a row too (one token that samples: `defer` treats it as a decode, `fit` never cuts it)
         self.forced: dict[object, tuple[int, int, int]] = {}
         if self.target is not None:
             for r in sch.running:
-                if r.num_computed_tokens + 1 == r.num_tokens and r.output_token_ids:
+                if r.num_computed_tokens + 1 == r.num_tokens:
                     c, row = r.traffic_class, (r.num_computed_tokens, 1, 1)
                     if cls[c].itl_p99_ms is not None:
                         self.forced[r.request_id] = row
