@@ -11,7 +11,11 @@ prepare, sample) comes from its StepStats, the output path is what step() adds t
 Per sequence: the slope between the smallest and largest N. With T > 0, `rows/s of rows/T` says how
 much of the device's time the host loses (no overlap yet: the host's work adds to T).
 
+--prompt-len sets each request's context (default 32 tokens): the block tables a step used to send whole
+grow with it (the KV pool is mapped but never written: the fake forward writes no keys).
+
 Usage: python bench/host_overhead.py [--running 1,16,64,256] [--T-ms 0,5] [--steps 30] [--sampling greedy|top_p]
+                                     [--prompt-len 32]
 """
 import argparse
 import time
@@ -40,11 +44,11 @@ def fake_device(model, t_s: float, vocab: int):
     model.forward, model.compute_logits = forward, compute_logits
 
 
-def measure(eng, n: int, steps: int, sampling) -> dict:
+def measure(eng, n: int, steps: int, sampling, prompt_len: int = 32) -> dict:
     from pagedserve import SamplingParams
     sp = SamplingParams(max_tokens=2_000, ignore_eos=True, **sampling)
     for i in range(n):
-        eng.add_request(f"r{n}-{i}", {"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(32)]}, sp,
+        eng.add_request(f"r{n}-{i}", {"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(prompt_len)]}, sp,
                         stream=True)
     while eng.core.scheduler.waiting or any(not s.is_decode for s in (eng.core.last_schedule.seqs
                                                                        if eng.core.last_schedule else [])):
@@ -79,17 +83,20 @@ def main() -> None:
     ap.add_argument("--T-ms", dest="t_ms", default="0,5")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy")
+    ap.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
     a = ap.parse_args()
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.host import describe
     running = [int(x) for x in a.running.split(",")]
     sampling = {"temperature": 0.0} if a.sampling == "greedy" else {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+    blocks_per_seq = -(-(a.prompt_len + 3 + a.steps + 8) // 16) + 1     # prompt, warm-up and timed steps
     eng = LLMEngine(max_num_seqs=max(running), max_num_batched_tokens=max(1024, 32 * max(running)),
-                    num_kv_blocks=max(running) * 12 + 64)
-    print(f"host: {describe()}; sampling {a.sampling}; {eng.core.model.cfg.vocab_size}-entry vocabulary")
+                    num_kv_blocks=max(running) * max(12, blocks_per_seq) + 64)
+    print(f"host: {describe()}; sampling {a.sampling}; {eng.core.model.cfg.vocab_size}-entry vocabulary; "
+          f"prompts of {a.prompt_len} tokens")
     for t_ms in (float(x) for x in a.t_ms.split(",")):
         fake_device(eng.core.model, t_ms / 1e3, eng.core.model.cfg.vocab_size)
-        rows = [measure(eng, n, a.steps, sampling) for n in running]
+        rows = [measure(eng, n, a.steps, sampling, a.prompt_len) for n in running]
         print(f"T = {t_ms:g} ms")
         for r in rows:
             host_ms = r["step_ms_p50"] - t_ms

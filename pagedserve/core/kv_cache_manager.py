@@ -36,6 +36,22 @@ class BlockOps:
         return bool(self.swap_out or self.swap_in or self.copy)
 
 
+@dataclass(slots=True, frozen=True)
+class TableDelta:
+    """How one group's block table changed since it was last sent: entries from `start` on are
+    `block_ids` and the table ends there. start 0: the whole table (a new, resumed or forked
+    sequence); a decode step usually sends (len, ()) or one appended block; a copy-on-write, a
+    trim of rejected drafts' blocks or a block given back behind a sliding window rewrites from
+    its index. The runner's InputBatch keeps the tables (runner/input_batch.py)."""
+
+    start: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.start + len(self.block_ids)
+
+
 class KVCacheManager:
     """Per request, one block list per group of layers (core/kv_layout.py): one group for a model
     whose layers all see the same window (the Llama case), several for a model that mixes sliding and
@@ -56,6 +72,9 @@ class KVCacheManager:
         self.windows: tuple[int, ...] = tuple(windows)
         self.req_blocks: dict[str, list[list[KVBlock]]] = {}   # request -> a block list per group
         self.num_hashed: dict[str, int] = {}               # leading blocks already registered in the cache
+        # request -> per group, the first table index changed since the runner was last sent the table
+        # (take_table_delta): the runner keeps the tables, a step sends only what changed
+        self.changed_from: dict[str, list[int]] = {}
         self.host_free: deque[int] = deque(range(num_host_blocks))
         self.num_host_blocks = num_host_blocks
         self.swapped: dict[str, list[list[int | None]]] = {}   # request -> host blocks per group, in order
@@ -75,6 +94,7 @@ class KVCacheManager:
         """Entries per request-keyed structure (none once every request has finished); the prefix
         cache is bounded by the pool (one entry per cached block)."""
         return {"kv.req_blocks": len(self.req_blocks), "kv.num_hashed": len(self.num_hashed),
+                "kv.changed_from": len(self.changed_from),
                 "kv.swapped": len(self.swapped), "kv.host_blocks_taken": self.num_host_blocks - len(self.host_free)}
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -108,6 +128,23 @@ class KVCacheManager:
         if groups is None:
             return tuple(() for _ in self.windows)
         return tuple(tuple(b.block_id for b in blocks) for blocks in groups)
+
+    def take_table_delta(self, request_id: str) -> tuple[TableDelta, ...]:
+        """Per group, the request's table from its first entry changed since the last call (all of it
+        the first time, after a preemption, a swap-in or a fork); then nothing is pending."""
+        groups = self.req_blocks.get(request_id)
+        if groups is None:
+            return tuple(TableDelta(0, ()) for _ in self.windows)
+        changed = self.changed_from.get(request_id) or [0] * len(groups)
+        out = tuple(TableDelta(c, tuple(b.block_id for b in blocks[c:])) for c, blocks in zip(changed, groups))
+        self.changed_from[request_id] = [len(blocks) for blocks in groups]
+        return out
+
+    def _changed(self, rid: str, group: int, index: int) -> None:
+        """Table `group` of rid differs from what the runner was sent from `index` on."""
+        changed = self.changed_from.get(rid)
+        if changed is not None and index < changed[group]:
+            changed[group] = index
 
     def num_live_blocks(self, request_id: str) -> int:
         """Pool blocks the request holds, all groups (the null block behind a window not counted)."""
@@ -194,9 +231,9 @@ class KVCacheManager:
         computed = computed or [[] for _ in range(G)]
         rid = req.request_id
         held = self.req_blocks.get(rid) or [[] for _ in range(G)]
-        for w, blocks in zip(self.windows, held):
+        for g, (w, blocks) in enumerate(zip(self.windows, held)):
             if w and blocks:
-                self._free_behind_window(blocks, w, req.num_computed_tokens)
+                self._changed(rid, g, self._free_behind_window(blocks, w, req.num_computed_tokens))
         num_computed = req.num_computed_tokens + len(computed[0]) * self.block_size
         total_tokens = num_computed + num_new_tokens
         if self.reserve_tokens is not None:
@@ -208,9 +245,11 @@ class KVCacheManager:
             return False
         if rid not in self.req_blocks:
             self.req_blocks[rid], self.num_hashed[rid] = held, 0
+            self.changed_from.pop(rid, None)   # never sent: the whole table goes
         if computed[0]:                    # the hit's blocks are cached already
             self.num_hashed[rid] = len(held[0]) + len(computed[0])
-        for blocks, hit, n, c in zip(held, computed, need_new, cow):
+        for g, (blocks, hit, n, c) in enumerate(zip(held, computed, need_new, cow)):
+            self._changed(rid, g, len(blocks) - (1 if c else 0))
             if hit:
                 self.pool.touch(hit)
                 blocks.extend(hit)
@@ -225,14 +264,17 @@ class KVCacheManager:
         self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
-    def _free_behind_window(self, blocks: list[KVBlock], window: int, num_computed: int) -> None:
+    def _free_behind_window(self, blocks: list[KVBlock], window: int, num_computed: int) -> int:
         """The next token (position num_computed) sees keys from num_computed - W + 1 on: blocks wholly
-        before that return to the pool (tail-first, as in free) and the null block stands in for them."""
+        before that return to the pool (tail-first, as in free) and the null block stands in for them.
+        Returns the first index changed (len(blocks): none)."""
         dead = self._dead(window, num_computed)
         first = self._first_live(blocks, dead)
         if first < dead:
             self.pool.free_blocks(reversed(blocks[first:dead]))
             blocks[first:dead] = [self.pool.null_block] * (dead - first)
+            return first
+        return len(blocks)
 
     def _first_live(self, blocks: list[KVBlock], upto: int) -> int:
         """Index of the first block that is not the null block (the null ones lead), searched in [0, upto)."""
@@ -268,8 +310,9 @@ class KVCacheManager:
         only rejected draft tokens go back, last first). Their slots were never hashed: the prefix cache
         covers only tokens that are the request's own."""
         keep = self.blocks_needed(max(num_tokens, self.reserve_tokens or 0))
-        for blocks in self.req_blocks.get(req.request_id, ()):
+        for g, blocks in enumerate(self.req_blocks.get(req.request_id, ())):
             if len(blocks) > keep:
+                self._changed(req.request_id, g, keep)
                 self.pool.free_blocks(reversed(blocks[keep:]))
                 del blocks[keep:]
 
@@ -281,6 +324,7 @@ class KVCacheManager:
             self.pool.touch(blocks)
         cid = child.request_id
         self.req_blocks[cid] = [list(blocks) for blocks in groups]
+        self.changed_from.pop(cid, None)
         self.num_hashed[cid] = self.num_hashed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
@@ -296,6 +340,7 @@ class KVCacheManager:
         for blocks in self.req_blocks.pop(rid, ()):
             self.pool.free_blocks(reversed(blocks))
         self.num_hashed.pop(rid, None)
+        self.changed_from.pop(rid, None)
 
     # ------------------------------------------------------------ swap tier
     def can_swap_out(self, req: Request) -> bool:
@@ -325,6 +370,7 @@ class KVCacheManager:
         del self.swapped[rid]
         self.host_free.extend(live)
         self.req_blocks[rid] = groups
+        self.changed_from.pop(rid, None)
         self.num_hashed[rid] = 0
         # swapped-in blocks are private copies; register the full ones in the prefix cache again
         self._cache_full_blocks(req, req.num_computed_tokens)

@@ -306,8 +306,8 @@ class Scheduler:
         if draft and draft[0] == DRAFT_PENDING:      # the draft model first reads what its KV lacks
             prefix = tuple(req.all_token_ids[req.num_draft_computed:start])
         mm = self.encoder.use(req, start, n) if req.mm_features else ()
-        seq = ScheduledSeq.of(req, start, n, self.kv.block_tables(req.request_id), start + n == req.num_tokens, plp,
-                              pool, draft, prefix, mm)
+        seq = ScheduledSeq.of(req, start, n, self.kv.take_table_delta(req.request_id), start + n == req.num_tokens,
+                              plp, pool, draft, prefix, mm)
         req.num_computed_tokens += n + len(draft)
         return seq
 

@@ -264,7 +264,7 @@ def measure_step_costs(execute, kv, args, max_model_len: int, k: int) -> tuple[S
     per sequence reaches; the best of two runs, after one warm-up. Also a prefill chunk's row: what an
     n-row chunk costs beyond a one-row step (both at a prompt's start), a row. The blocks it writes are
     taken from the pool and given back before any request exists."""
-    from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
+    from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput, whole
     from pagedserve.sampling_params import SamplingParams
     a = args
     top = min(a.max_num_batched_tokens, a.max_num_seqs * (1 + k), 256)
@@ -274,7 +274,7 @@ def measure_step_costs(execute, kv, args, max_model_len: int, k: int) -> tuple[S
     free = kv.num_free_blocks * a.block_size - top
     ctx = max(0, min(PROFILE_CONTEXT, free, max_model_len - top)) // n * n   # 0: a pool too small
     blocks = kv.pool.get_new_blocks(kv.blocks_needed(ctx + top))
-    ids = (tuple(b.block_id for b in blocks),) * len(kv.windows)   # (groups may share them: values unused)
+    ids = whole((tuple(b.block_id for b in blocks),) * len(kv.windows))   # (groups may share them: values unused)
     row = SamplingRow("spec-profile", SamplingParams(temperature=0.0, max_tokens=1), None, 1, 0, ())
 
     def run(r: int, start: int = ctx, chunk: bool = False) -> float:

@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.kv_cache_manager import BlockOps, TableDelta
 from pagedserve.core.request import MMFeature, Request
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 
 DRAFT_PENDING = -1      # a draft token the runner's draft model has yet to propose (ScheduledSeq.draft_prefix)
+
+
+def whole(block_tables) -> tuple[TableDelta, ...]:
+    """Whole block tables (one per group) as deltas from nothing: for callers that build a step by hand."""
+    return tuple(TableDelta(0, tuple(t)) for t in block_tables)
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,8 +71,8 @@ class ScheduledSeq:
     request_id: str
     token_ids: tuple[int, ...]
     start: int
-    block_tables: tuple[tuple[int, ...], ...]   # per group of layers (KVLayout): the physical block of each
-                                                # logical block (one table for a model whose layers all match)
+    tables: tuple[TableDelta, ...]      # per group of layers (KVLayout), how its block table changed since the
+                                        # sequence was last scheduled (one table for a model whose layers all match)
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
     prompt_logprobs: PromptLogprobsRow | None = None
     pool: PoolRow | None = None
@@ -98,11 +103,11 @@ class ScheduledSeq:
         return self if self.sampling is None else replace(self, sampling=self.sampling.for_workers())
 
     @classmethod
-    def of(cls, req: Request, start: int, n: int, block_tables: tuple[tuple[int, ...], ...], sample: bool,
+    def of(cls, req: Request, start: int, n: int, tables: tuple[TableDelta, ...], sample: bool,
            prompt_logprobs: PromptLogprobsRow | None = None, pool: PoolRow | None = None,
            draft: tuple[int, ...] = (), draft_prefix: tuple[int, ...] | None = None,
            mm_inputs: tuple[MMFeature, ...] = ()) -> ScheduledSeq:
-        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, block_tables,
+        return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, tables,
                    SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id,
                    draft_prefix, mm_inputs)
 

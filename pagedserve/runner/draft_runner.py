@@ -32,11 +32,12 @@ import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.kv_layout import KVLayout
-from pagedserve.core.step import ScheduledSeq, SchedulerOutput
+from pagedserve.core.step import ScheduledSeq, SchedulerOutput, whole
 from pagedserve.errors import ParamError
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model, resolve_model
 from pagedserve.model.quant import choose_quantization, weight_bytes
+from pagedserve.runner.input_batch import InputBatch
 from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.runner.sampler import sampling_probs
 from pagedserve.tokenizer import load_tokenizer
@@ -67,12 +68,13 @@ class DraftRunner:
         if ops.copy:
             self.runner.apply_block_ops(BlockOps(copy=ops.copy))
 
-    def _pass(self, seqs: list[ScheduledSeq]) -> list[tuple[str, int, torch.Tensor | None]]:
-        """One forward of the draft over these records: (request id, proposed token, the distribution q it
-        was drawn from, or None for an argmax) of each record that samples."""
+    def _pass(self, seqs: list[ScheduledSeq], batch: InputBatch) -> list[tuple[str, int, torch.Tensor | None]]:
+        """One forward of the draft over these records (their block tables: the target's, in `batch`):
+        (request id, proposed token, the distribution q it was drawn from, or None for an argmax) of
+        each record that samples."""
         r = self.runner
         seqs = sorted(seqs, key=lambda s: not s.is_decode)       # the runner's order: decode rows first
-        input_ids, positions, md, rows, _, _, _, _ = r.prepare(SchedulerOutput(tuple(seqs)))
+        input_ids, positions, md, rows, _, _, _, _ = r.prepare(SchedulerOutput(tuple(seqs)), batch)
         dev = r.device
         hidden = self.model(input_ids.to(dev), positions.to(dev), r.kv_caches, md, None)
         if not rows:
@@ -91,8 +93,9 @@ class DraftRunner:
         return list(zip((row.request_id for row in samplers), tokens, qs))
 
     @torch.inference_mode()
-    def propose(self, so: SchedulerOutput) -> SchedulerOutput:
-        """The step with every DRAFT_PENDING token replaced by the draft model's proposal."""
+    def propose(self, so: SchedulerOutput, batch: InputBatch) -> SchedulerOutput:
+        """The step with every DRAFT_PENDING token replaced by the draft model's proposal. `batch`: the
+        target runner's, already updated by this step (the draft's KV uses the same block ids)."""
         todo = [s for s in so.seqs if s.draft_prefix is not None and s.num_draft]
         self.propose_s = 0.0
         self.draft_probs = {}
@@ -107,18 +110,18 @@ class DraftRunner:
             toks = s.draft_prefix + s.token_ids[:1]
             first = s.start - len(s.draft_prefix)
             chunks = [(a, toks[a:a + CATCH_UP_ROWS]) for a in range(0, len(toks), CATCH_UP_ROWS)]
-            pieces.append([ScheduledSeq(s.request_id, c, first + a, s.block_tables[:1],
+            pieces.append([ScheduledSeq(s.request_id, c, first + a, (),
                                         s.sampling if a + len(c) == len(toks) else None) for a, c in chunks])
         for round_ in range(max(len(p) for p in pieces)):
-            for rid, tok, q in self._pass([p[round_] for p in pieces if round_ < len(p)]):
+            for rid, tok, q in self._pass([p[round_] for p in pieces if round_ < len(p)], batch):
                 drafts[rid].append(tok)
                 if q is not None:
                     qs.setdefault(rid, []).append(q)
         # passes 2..k: each sequence's last draft, one decode row, while it wants more
         for j in range(1, max(s.num_draft for s in todo)):
-            batch = [ScheduledSeq(s.request_id, (drafts[s.request_id][-1],), s.start + j, s.block_tables[:1], s.sampling)
-                     for s in todo if s.num_draft > j]
-            for rid, tok, q in self._pass(batch):
+            step = [ScheduledSeq(s.request_id, (drafts[s.request_id][-1],), s.start + j, (), s.sampling)
+                    for s in todo if s.num_draft > j]
+            for rid, tok, q in self._pass(step, batch):
                 drafts[rid].append(tok)
                 if q is not None:
                     qs.setdefault(rid, []).append(q)
@@ -139,15 +142,17 @@ class DraftRunner:
         seconds per token of reading a context (one chunk filling block_ids); the best of two after a
         warm-up. Writes slots of `block_ids` only (blocks the caller holds)."""
         n = len(block_ids) * self.runner.block_size
+        tables = InputBatch(1)                   # every row on block_ids, for these passes only
 
-        def run(batch: list[ScheduledSeq]) -> float:
+        def run(seqs: list[ScheduledSeq]) -> float:
+            tables.update(SchedulerOutput(tuple(seqs)))
             t0 = time.perf_counter()
-            self._pass(batch)
+            self._pass(seqs, tables)
             return time.perf_counter() - t0
 
         def decode(r: int) -> list[ScheduledSeq]:
-            return [ScheduledSeq(f"draft-profile-{i}", (0,), i % n, (block_ids,), sampling) for i in range(r)]
-        read = [ScheduledSeq("draft-profile", (0,) * n, 0, (block_ids,), sampling)]
+            return [ScheduledSeq(f"draft-profile-{i}", (0,), i % n, whole((block_ids,)), sampling) for i in range(r)]
+        read = [ScheduledSeq("draft-profile", (0,) * n, 0, whole((block_ids,)), sampling)]
         run(decode(1))
         run(read)
         return [min(run(decode(r)), run(decode(r))) for r in rows], min(run(read), run(read)) / n

@@ -24,6 +24,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRABatch, LoRASlots, LoRAWeights
 from pagedserve.runner import cuda_graphs
 from pagedserve.runner.cuda_graphs import DecodeGraphs
+from pagedserve.runner.input_batch import InputBatch
 from pagedserve.runner.sampler import Logprob, SampledToken, Sampler, logprobs_of
 from pagedserve.sampling_params import PoolingParams
 
@@ -80,6 +81,7 @@ class ModelRunner:
                                   *((self.kv_scales[j, 0], self.kv_scales[j, 1]) if self.kv_scales is not None else ()))
                           for j in self.layout.layer_plane]
         self.sampler = Sampler(seed)
+        self.batch = InputBatch(self.layout.num_groups)   # the running sequences' block tables, kept across steps
         self.rows_as_decode = rows_as_decode
         self.pool_sums: dict[str, tuple[torch.Tensor, int]] = {}   # embedding requests pooled over chunks so far
         # images' encoder outputs (image_seq_len, hidden) by content hash; which are kept is the scheduler's
@@ -163,19 +165,19 @@ class ModelRunner:
                 dev_t[:, :, list(dst)] = dev_t[:, :, list(src)]
 
     # ------------------------------------------------------------ inputs
-    def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                    list[SamplingRow], list[tuple[str, int, PromptLogprobsRow]],
-                                                    list[tuple[str, int, int]], LoRABatch | None]:
-        """Decode rows first (the scheduler lists them first), then prefill chunks. The attention
-        metadata: one for every layer, or with several groups of layers (KVLayout) one per layer
-        (each group's slots and block tables differ; everything else is shared)."""
-        bs, G = self.block_size, self.layout.num_groups
+    def prepare(self, so: SchedulerOutput, batch: InputBatch | None = None) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[SamplingRow],
+            list[tuple[str, int, PromptLogprobsRow]], list[tuple[str, int, PoolRow]], LoRABatch | None]:
+        """Decode rows first (the scheduler lists them first), then prefill chunks. Block tables and
+        slots come from the persistent batch (self.batch, already updated by this step's record: see
+        execute), gathered by row. The attention metadata: one for every layer, or with several groups
+        of layers (KVLayout) one per layer (each group's slots and block tables differ)."""
+        batch = self.batch if batch is None else batch
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(G)]
-        dec_tables: list[list[tuple[int, ...]]] = [[] for _ in range(G)]
-        dec_lens: list[int] = []
-        pre_tables: list[list[tuple[int, ...]]] = [[] for _ in range(G)]
+        starts: list[int] = []
+        lens: list[int] = []
+        rows: list[int] = []                                          # each sequence's row in the batch
+        num_dec = 0                                                   # sequences with decode rows (they lead)
         pre_lens: list[int] = []
         cu_q = [0]
         logit_rows: list[int] = []
@@ -186,26 +188,21 @@ class ModelRunner:
         seqs = so.seqs
         if self.lora is not None:      # prefill chunks of one adapter adjacent (LoRABatch multiplies runs)
             seqs, row_loras = sorted(seqs, key=lambda s: (not s.is_decode, s.lora_id)), []
+        row_of = batch.row_of
         for s in seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
-            ctx = start + n
             ids.extend(s.token_ids)
-            pos.extend(range(start, ctx))
+            starts.append(start)
+            lens.append(n)
+            rows.append(row_of[s.request_id])
             if row_loras is not None:
                 row_loras.extend([s.lora_id] * n)
-            decode = s.is_decode or self.rows_as_decode    # with drafts: a decode row per token, each seeing one more
-            for g, blocks in enumerate(s.block_tables):
-                slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
-                if decode:
-                    dec_tables[g].extend([blocks] * n)
-                else:
-                    pre_tables[g].append(blocks[: -(-ctx // bs)])
-            if decode:
+            if s.is_decode or self.rows_as_decode:   # with drafts: a decode row per token, each seeing one more
                 assert not pre_lens, "decode rows come before prefill chunks"
-                dec_lens.extend(range(start + 1, ctx + 1))
+                num_dec += 1
             else:
-                pre_lens.append(ctx)
+                pre_lens.append(start + n)
                 cu_q.append(cu_q[-1] + n)
             if s.num_draft:            # speculative: every row samples, row i after i accepted drafts
                 logit_rows.extend(range(row0 + n - 1 - s.num_draft, row0 + n))
@@ -221,23 +218,46 @@ class ModelRunner:
         # the LM head runs on the sampling rows and on the prompt rows that want logprobs, in one call
         for _, first, plp in prompt_rows:
             logit_rows.extend(range(first, first + len(plp.targets)))
-        dec_t = torch.tensor(dec_lens, dtype=torch.long) if dec_lens else None
+        pos, mds = self._metadata(batch, np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64),
+                                  np.array(rows, dtype=np.int64), num_dec, pre_lens, cu_q)
+        md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layout.layer_group]
+        lora = self.lora.batch(row_loras, sum(lens[:num_dec])) if self.lora is not None else None
+        return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos), md, logit_rows, sample_rows,
+                prompt_rows, pool_rows, lora)
+
+    def _metadata(self, batch: InputBatch, starts: np.ndarray, lens: np.ndarray, rows: np.ndarray, num_dec: int,
+                  pre_lens: list[int], cu_q: list[int]) -> tuple[np.ndarray, list[AttentionMetadata]]:
+        """Positions and, per group, slots and block tables, gathered from the batch's rows: a decode
+        row gets its sequence's whole table, a prefill chunk the blocks its context fills (the rest the
+        null block), each padded with the null block to the widest."""
+        bs = self.block_size
+        first = np.cumsum(lens) - lens                       # each sequence's first row
+        tok_seq = np.repeat(np.arange(len(lens)), lens)     # each row's sequence
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - first[tok_seq] + starts[tok_seq]
+        tok_row = rows[tok_seq]
+        n_dec = int(lens[:num_dec].sum())                    # decode rows
+        dec_lens = pos[:n_dec] + 1
+        dec_t = torch.from_numpy(dec_lens) if n_dec else None
         cu_t, pre_t = (torch.tensor(cu_q, dtype=torch.long), torch.tensor(pre_lens, dtype=torch.long)) if pre_lens \
             else (None, None)
+        need = -(-np.array(pre_lens, dtype=np.int64) // bs)  # blocks each prefill chunk's context fills
         # Triton's grids are sized on the host (no read-back of the device's tensors): the step's maxima
-        maxima = dict(max_decode_context=max(dec_lens, default=0),
+        maxima = dict(max_decode_context=int(dec_lens.max()) if n_dec else 0,
                       max_prefill_q=max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)) if self.use_triton else {}
-        mds = [AttentionMetadata(torch.tensor(slots[g], dtype=torch.long), len(dec_lens),
-                                 _padded(dec_tables[g]) if dec_lens else None, dec_t,
-                                 _padded(pre_tables[g]) if pre_lens else None, cu_t, pre_t,
-                                 native=self.use_native, native_prefill=self.native_prefill,
-                                 bf16_dots=self.bf16_dots, triton=self.use_triton,
-                                 **maxima)
-               for g in range(G)]
-        md = mds[0] if G == 1 else [mds[g] for g in self.layout.layer_group]
-        lora = self.lora.batch(row_loras, len(dec_lens)) if self.lora is not None else None
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), md, logit_rows, sample_rows,
-                prompt_rows, pool_rows, lora)
+        mds = []
+        for table, num_blocks in zip(batch.tables, batch.num_blocks):
+            slots = table[tok_row, pos // bs] * bs + pos % bs
+            dec_tables = pre_tables = None
+            if n_dec:                      # entries past a row's end are 0 already (InputBatch)
+                dec_tables = torch.from_numpy(table[tok_row[:n_dec], :int(num_blocks[rows[:num_dec]].max())])
+            if pre_lens:
+                pre = table[rows[num_dec:], :int(need.max())]
+                pre[np.arange(pre.shape[1]) >= need[:, None]] = 0
+                pre_tables = torch.from_numpy(pre)
+            mds.append(AttentionMetadata(torch.from_numpy(slots), n_dec, dec_tables, dec_t, pre_tables, cu_t, pre_t,
+                                         native=self.use_native, native_prefill=self.native_prefill,
+                                         bf16_dots=self.bf16_dots, triton=self.use_triton, **maxima))
+        return pos, mds
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int], prompt_rows) -> dict[str, list[dict[int, Logprob]]]:
         """Each prompt row's logprob of the prompt token that follows it, with its rank and the top k.
@@ -262,7 +282,7 @@ class ModelRunner:
 
     def held(self) -> dict[str, int]:
         """Per-request entries the runner keeps (0 once every request has ended and been reported)."""
-        return {**self.sampler.held(), "runner.pool_sums": len(self.pool_sums)}
+        return {**self.sampler.held(), "runner.pool_sums": len(self.pool_sums), "runner.batch_rows": len(self.batch)}
 
     # ------------------------------------------------------------ images
     def _embeds(self, so: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -293,6 +313,7 @@ class ModelRunner:
         for rid in so.finished_req_ids:           # ended since the last step: nothing of theirs is kept
             self.sampler.forget(rid)
             self.pool_sums.pop(rid, None)
+        self.batch.update(so)                     # rows out (ended, preempted), new rows, changed tables
         for h in so.encoder_frees:                # images the scheduler's encoder cache evicted
             self.encoder_cache.pop(h, None)
         self.apply_block_ops(so.block_ops)
@@ -301,7 +322,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.drafter is not None:                  # a draft model proposes the step's pending drafts
             self.drafter.apply_copies(so.block_ops)
-            so = self.drafter.propose(so)
+            so = self.drafter.propose(so, self.batch)
             out.propose_s = self.drafter.propose_s
         elif any(s.draft_prefix is not None for s in so.seqs):
             raise RuntimeError("the step has draft tokens for a draft model to propose, and this runner has none")
@@ -380,12 +401,6 @@ def _grammar_masks(so: SchedulerOutput, sample_rows: list[SamplingRow]) -> tuple
     where = {rid: i for i, rid in enumerate(so.grammar_rows)}
     idx = [(r, where[row.request_id]) for r, row in enumerate(sample_rows) if row.request_id in where]
     return [r for r, _ in idx], so.grammar_bitmask[[m for _, m in idx]]
-
-
-def _padded(tables: list[tuple[int, ...]]) -> torch.Tensor:
-    """Block tables as one (rows, widest) tensor, padded with the null block 0."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + (0,) * (width - len(t)) for t in tables], dtype=torch.long)
 
 
 def _to_device_per_layer(mds: list[AttentionMetadata], dev) -> list[AttentionMetadata]:

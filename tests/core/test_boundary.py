@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import KVCacheManager, TableDelta
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.step import SamplingRow, ScheduledSeq, SchedulerOutput
@@ -26,7 +26,7 @@ class FakeRunner:
         assert isinstance(so.seqs, tuple)
         out = {}
         for s in so.seqs:
-            assert type(s) is ScheduledSeq and isinstance(s.token_ids, tuple) and isinstance(s.block_tables, tuple) and all(isinstance(t, tuple) for t in s.block_tables)
+            assert type(s) is ScheduledSeq and isinstance(s.token_ids, tuple) and isinstance(s.tables, tuple) and all(type(t) is TableDelta and isinstance(t.block_ids, tuple) for t in s.tables)
             with pytest.raises(dataclasses.FrozenInstanceError):
                 s.start = 0
             assert not any(isinstance(getattr(s, f.name), Request) for f in dataclasses.fields(s))

@@ -5,6 +5,7 @@ import torch
 
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.core.step import TableDelta, whole
 from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.sampling_params import SamplingParams
 
@@ -19,17 +20,18 @@ def forward_all_rows(runner: ModelRunner, chunks: list[tuple[Request, int, int, 
                   key=lambda s: not s.is_decode)
     so = SchedulerOutput(seqs=tuple(seqs))
     with torch.inference_mode():
+        runner.batch.update(so)
         ids, pos, md, *_ = runner.prepare(so)
         hidden = runner.model(ids, pos, runner.kv_caches, md)
         return runner.model.compute_logits(hidden)
 
 
-def group_tables(runner: ModelRunner, blocks: list[int]) -> tuple[tuple[int, ...], ...]:
-    """A block table per KV group of the runner's model (core/kv_layout.py): the same logical blocks,
-    each group on physical blocks of its own (shifted past the previous group's); runner's pool must
-    hold groups x max(blocks) + 1 blocks."""
+def group_tables(runner: ModelRunner, blocks: list[int]) -> tuple[TableDelta, ...]:
+    """A whole block table per KV group of the runner's model (core/kv_layout.py): the same logical
+    blocks, each group on physical blocks of its own (shifted past the previous group's); runner's pool
+    must hold groups x max(blocks) + 1 blocks."""
     top = max(blocks, default=0)
-    return tuple(tuple(b + g * top for b in blocks) for g in range(runner.layout.num_groups))
+    return whole(tuple(b + g * top for b in blocks) for g in range(runner.layout.num_groups))
 
 
 def blocks_for(first: int, n_tokens: int, bs: int) -> list[int]:

@@ -106,9 +106,10 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_llama, tmp_path, 
     assert model.fused is not None
     runner = ModelRunner(model, num_blocks=10, block_size=16)
     prompt = make_request("p", list(range(40)))
-    from pagedserve.core.step import ScheduledSeq, SchedulerOutput
-    so = SchedulerOutput((ScheduledSeq.of(prompt, 0, 40, (tuple(blocks_for(1, 40, 16)),), False),))
+    from pagedserve.core.step import ScheduledSeq, SchedulerOutput, whole
+    so = SchedulerOutput((ScheduledSeq.of(prompt, 0, 40, whole((blocks_for(1, 40, 16),)), False),))
     x = torch.zeros(40, model.cfg.hidden_size)
+    runner.batch.update(so)
     _, _, md, *_ = runner.prepare(so)
     from dataclasses import replace
     assert model.fused.takes(x, replace(md, native_prefill=True), None)       # prefill rows: the native kernel
@@ -120,7 +121,8 @@ def test_decode_steps_the_fused_call_leaves_to_the_layers(tiny_llama, tmp_path, 
     finally:
         model.fused.max_rows = 64
     decode = make_request("d", list(range(41)))
-    so = SchedulerOutput((ScheduledSeq.of(decode, 40, 1, (tuple(blocks_for(1, 41, 16)),), False),))
+    so = SchedulerOutput((ScheduledSeq.of(decode, 40, 1, whole((blocks_for(1, 41, 16),)), False),))
+    runner.batch.update(so)
     _, _, md, *_ = runner.prepare(so)
     assert model.fused.takes(x[:1], md, None)
     lora = NS(segments=[], decode_slots=[0], slots=NS(dtype=torch.float32))

@@ -44,6 +44,7 @@ def test_greedy_matches_hf(tiny):
     hf, model, _ = tiny
     from pagedserve.core.request import Request
     from pagedserve.core.scheduler import ScheduledSeq, SchedulerOutput
+    from pagedserve.core.step import whole
     from pagedserve.sampling_params import SamplingParams
     for seed, plen in [(2, 5), (3, 40), (4, 120)]:
         prompt = torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -53,7 +54,7 @@ def test_greedy_matches_hf(tiny):
         blocks = blocks_for(1, plen + 32, 16)
         start, n = 0, plen
         for _ in range(32):
-            out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, (tuple(blocks),), True),)))
+            out = runner.execute(SchedulerOutput(seqs=(ScheduledSeq.of(req, start, n, whole((blocks,)), True),)))
             req.append_token(out.sampled["r"][0].token_id)
             start, n = start + n, 1
         assert_greedy_match(req.output_token_ids, ref, ref_lp)
