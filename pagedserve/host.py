@@ -6,6 +6,12 @@ import functools
 import os
 
 
+def cache_root() -> str:
+    """Where pagedserve keeps what it derives on this host (native builds, converted tokenizers, packed
+    weights): ~/.cache/pagedserve, or PAGEDSERVE_CACHE."""
+    return os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
+
+
 @functools.cache
 def cpu_info() -> tuple[str, frozenset[str]]:
     """(model name, flags); ("unknown", {}) where /proc/cpuinfo is missing."""

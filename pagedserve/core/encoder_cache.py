@@ -24,6 +24,7 @@ class EncoderCacheManager:
         self.capacity_tokens = capacity_tokens
         self.budget_tokens = budget_tokens
         self.sizes: OrderedDict[str, int] = OrderedDict()   # hash -> image tokens, least recently used first
+        self.size_tokens = 0                                # sum of sizes (what /metrics shows)
         self.users: dict[str, set[str]] = {}                # hash -> request ids holding it
         self.held_by: dict[str, set[str]] = {}              # request id -> hashes it holds
         self.to_free: list[str] = []                        # evicted since the last step record
@@ -31,10 +32,6 @@ class EncoderCacheManager:
         self.planned: set[str] = set()                      # images this step encodes
         self.hits = 0                                       # image reads served from the cache
         self.misses = 0                                     # encoder runs
-
-    @property
-    def size_tokens(self) -> int:
-        return sum(self.sizes.values())
 
     def held(self) -> dict[str, int]:
         return {"encoder_cache.requests": len(self.held_by)}
@@ -73,6 +70,7 @@ class EncoderCacheManager:
                 self.misses += 1
                 self._make_room(f.length)
                 self.sizes[f.hash] = f.length
+                self.size_tokens += f.length
             mine.add(f.hash)
             self.users.setdefault(f.hash, set()).add(rid)
         return tuple(out)
@@ -94,5 +92,5 @@ class EncoderCacheManager:
         for h in [h for h in self.sizes if h not in self.users]:      # least recently used first
             if self.size_tokens + tokens <= self.capacity_tokens:
                 return
-            del self.sizes[h]
+            self.size_tokens -= self.sizes.pop(h)
             self.to_free.append(h)

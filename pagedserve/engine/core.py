@@ -169,8 +169,8 @@ class EngineCore:
         reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
                                  windows=layout.windows)
-        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv,
-                                   encoder=self._encoder_cache(args, cfg))
+        self.images, encoder = self._images(args, cfg)
+        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv, encoder=encoder)
         self.scheduler.classes = classes
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
@@ -192,20 +192,20 @@ class EngineCore:
         self.kv_cache_bytes = self.runner.kv_cache_bytes * self.executor.tp.size + (
             self.runner.drafter.kv_cache_bytes if draft is not None else 0)
 
-    def _encoder_cache(self, args: EngineArgs, cfg) -> EncoderCacheManager | None:
-        """A vision-language model's encoder budget and cache (core/encoder_cache.py), and its image inputs
-        (engine/multimodal.py: the processor, the placeholder's expansion, the per-prompt limit)."""
-        self.images = None
+    def _images(self, args: EngineArgs, cfg) -> tuple[ImageInputs | None, EncoderCacheManager | None]:
+        """A vision-language model's image inputs (engine/multimodal.py: the processor, the placeholder's
+        expansion, the per-prompt limit) and its encoder budget and cache (core/encoder_cache.py); a text
+        model: (None, None)."""
         if cfg.vision is None:
-            return None
+            return None, None
         if args.enable_lora:
             raise ValueError("enable_lora: LoRA adapters are not supported with a vision-language model")
-        self.images = ImageInputs(self.source.path, cfg.vision, image_limit(args.limit_mm_per_prompt))
+        images = ImageInputs(self.source.path, cfg.vision, image_limit(args.limit_mm_per_prompt), self.tokenizer)
         budget = max(args.encoder_budget_tokens or args.max_num_batched_tokens, cfg.vision.image_seq_len)
         capacity = max(args.encoder_cache_tokens or 4 * budget, cfg.vision.image_seq_len)
         log.info("images: %d tokens each, at most %d per prompt; encoder budget %d tokens a step, cache %d tokens",
-                 cfg.vision.image_seq_len, self.images.limit, budget, capacity)
-        return EncoderCacheManager(capacity, budget)
+                 cfg.vision.image_seq_len, images.limit, budget, capacity)
+        return images, EncoderCacheManager(capacity, budget)
 
     def _finish(self, args: EngineArgs, cfg, spec, draft) -> None:
         """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.multimodal import image_from_url, split_image_parts
+from pagedserve.engine.multimodal import split_image_parts
 from pagedserve.errors import ParamError
 from pagedserve.lora_request import LoRARequest
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -115,14 +115,10 @@ class LLM:
 
     def _chat_prompt(self, conv: list[dict], add_generation_prompt: bool) -> dict:
         eng = self.engine
-        contents, urls = split_image_parts([m.get("content") for m in conv], eng.images, eng.tokenizer)
+        contents, urls = split_image_parts([m.get("content") for m in conv], eng.images)
         conv = [m if c is m.get("content") else {**m, "content": c} for m, c in zip(conv, contents)]
         ids = apply_chat_template(eng.tokenizer, conv, add_generation_prompt)
-        if not urls:
-            return {"prompt_token_ids": ids}
-        images = [image_from_url(url, param, eng.args.allowed_media_domains) for url, param in urls]
-        ids, feats = eng.images.expand(ids, images, "messages")
-        return {"prompt_token_ids": ids, "mm_features": feats}
+        return eng.images.prompt(ids, urls, eng.args.allowed_media_domains) if urls else {"prompt_token_ids": ids}
 
     # ------------------------------------------------------------ beam search
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:

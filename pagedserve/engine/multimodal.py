@@ -99,12 +99,25 @@ class ImageInputs:
     """A vision-language model's image inputs: its processor (HF's, saved with the model: the pixels
     HF's own processor makes), its image token and count, and the per-prompt limit."""
 
-    def __init__(self, path: str, vision_cfg, limit: int):
+    def __init__(self, path: str, vision_cfg, limit: int, tokenizer):
         from pagedserve.model.families import from_transformers
         self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
         self.token_id: int = vision_cfg.image_token_id
         self.seq_len: int = vision_cfg.image_seq_len
         self.limit = limit
+        self.placeholder: str = tokenizer.convert_ids_to_tokens(self.token_id)   # its text in a chat turn ("<image>")
+
+    def prompt(self, ids: list[int], urls: list[tuple[str, str]], allowed_domains: list[str] | None) -> dict:
+        """A templated chat prompt and the image URLs its turns named (with the field naming each) -> the
+        engine's prompt: the images decoded (refused past the per-prompt limit first) and expanded."""
+        if not urls:
+            return {"prompt_token_ids": ids}
+        if len(urls) > self.limit:
+            raise ParamError("messages", f"messages: more than {self.limit} images in the prompt "
+                                         "(--limit-mm-per-prompt)")
+        images = [image_from_url(url, param, allowed_domains) for url, param in urls]
+        ids, feats = self.expand(ids, images, "messages")
+        return {"prompt_token_ids": ids, "mm_features": feats}
 
     def expand(self, ids: list[int], images: list, param: str) -> tuple[list[int], tuple[MMFeature, ...]]:
         """Each image placeholder (one image token) -> seq_len image tokens, each an MMFeature of its image
@@ -145,7 +158,7 @@ def check_image(img, param: str):
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def split_image_parts(contents: list, images: ImageInputs | None, tokenizer) -> tuple[list, list[tuple[str, str]]]:
+def split_image_parts(contents: list, images: ImageInputs | None) -> tuple[list, list[tuple[str, str]]]:
     """Chat messages' contents (in order) with their `image_url` parts taken out: a message with images
     becomes one string, its model's placeholder ("<image>\\n" each, before its text, as vLLM writes them for templates
     of string content), and their URLs come back in order with the field naming each. Refused (naming the
@@ -174,9 +187,8 @@ def split_image_parts(contents: list, images: ImageInputs | None, tokenizer) -> 
                 raise ParamError(param, f"{param}: must be {{\"url\": \"data:image/...;base64,...\"}}")
             urls.append((url, param + ".url"))
             n += 1
-        if len(urls) > images.limit:
+        if len(urls) > images.limit:        # (before any image is decoded, or the next message read)
             raise ParamError("messages", f"messages: more than {images.limit} images in the prompt "
                                          "(--limit-mm-per-prompt)")
-        mark = tokenizer.convert_ids_to_tokens(images.token_id)
-        out.append(f"{mark}\n" * n + "".join(texts))
+        out.append(f"{images.placeholder}\n" * n + "".join(texts))
     return out, urls

@@ -14,7 +14,7 @@ from pagedserve.entrypoints.responses import (Usage, admit, chat_logprobs, check
                                               sse, state, usage_of)
 from pagedserve.entrypoints.http_errors import RequestError
 from pagedserve.entrypoints.server_state import ServerState
-from pagedserve.engine.multimodal import image_from_url, split_image_parts
+from pagedserve.engine.multimodal import split_image_parts
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -36,7 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                 (top or 0) if body.logprobs else None, constraint=grammar)
 
     def prompt() -> list[dict]:
-        contents, urls = split_image_parts([m.content for m in body.messages], st.engine.images, st.engine.tokenizer)
+        contents, urls = split_image_parts([m.content for m in body.messages], st.engine.images)
         messages = [m if c is m.content else m.model_copy(update={"content": c}) for m, c in zip(body.messages, contents)]
         try:
             msgs = [message_dict(m) for m in messages]
@@ -47,11 +47,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                                       **(body.chat_template_kwargs or {}))
         except (ValueError, TypeError) as e:
             raise RequestError(getattr(e, "param", "messages"), str(e)) from None
-        if not urls:
-            return [{"prompt_token_ids": ids}]
-        images = [image_from_url(url, param, st.engine.args.allowed_media_domains) for url, param in urls]
-        ids, feats = st.engine.images.expand(ids, images, "messages")
-        return [{"prompt_token_ids": ids, "mm_features": feats}]
+        return [st.engine.images.prompt(ids, urls, st.engine.args.allowed_media_domains) if urls
+                else {"prompt_token_ids": ids}]
     rid, prompts, streams = await admit(st, http, body, "chatcmpl-", params, prompt, prompt_field="messages")
     created = int(time.time())
     if body.stream:

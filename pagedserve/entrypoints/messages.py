@@ -28,7 +28,6 @@ from pagedserve.entrypoints.responses import (EngineStreamResponse, Usage, admit
                                               model_name, state)
 from pagedserve.entrypoints.server_state import ServerState
 from pagedserve.errors import EngineDeadError
-from pagedserve.engine.multimodal import image_from_url
 from pagedserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -207,21 +206,14 @@ def prompt_of(st: ServerState, body: MessagesRequest, tools: list[dict] | None) 
     image blocks (a vision-language model), the images decoded and their placeholders expanded."""
     vision = st.engine.images
     urls: list[tuple[str, str]] | None = [] if vision is not None else None
-    msgs = conversation(body, urls, st.engine.tokenizer.convert_ids_to_tokens(vision.token_id) if vision else "")
+    msgs = conversation(body, urls, vision.placeholder if vision is not None else "")
     prefill = msgs[-1]["role"] == "assistant" and "tool_calls" not in msgs[-1]
     try:
         ids = apply_chat_template(st.engine.tokenizer, msgs, not prefill, tools=tools, chat_template=st.chat_template,
                                   continue_final_message=prefill)
     except (ValueError, TypeError) as e:
         raise RequestError(getattr(e, "param", "messages"), str(e)) from None
-    if not urls:
-        return {"prompt_token_ids": ids}
-    if len(urls) > vision.limit:
-        raise RequestError("messages", f"messages: more than {vision.limit} images in the prompt "
-                                       "(--limit-mm-per-prompt)")
-    images = [image_from_url(url, param, st.engine.args.allowed_media_domains) for url, param in urls]
-    ids, feats = vision.expand(ids, images, "messages")
-    return {"prompt_token_ids": ids, "mm_features": feats}
+    return vision.prompt(ids, urls, st.engine.args.allowed_media_domains) if urls else {"prompt_token_ids": ids}
 
 
 # ---------------------------------------------------------------- the routes

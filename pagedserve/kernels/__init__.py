@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from pagedserve.host import cpu_info
+from pagedserve.host import cache_root, cpu_info
 
 log = logging.getLogger("pagedserve")
 SOURCES = ("paged_attention", "qmatmul", "layer_ops")
@@ -76,8 +76,7 @@ def build_path(level: str, cc: str, source: str = "paged_attention") -> tuple[st
         with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
             text += f.read()
     key = hashlib.sha256(text + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    return os.path.join(root, "kernels", f"{source}-{level}-{key}.so"), flags
+    return os.path.join(cache_root(), "kernels", f"{source}-{level}-{key}.so"), flags
 
 
 def _declare(lib: ctypes.CDLL, source: str) -> None:

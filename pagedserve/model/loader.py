@@ -23,13 +23,14 @@ import torch
 from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
+from pagedserve.host import cache_root
 from pagedserve.model.config import ModelConfig
 from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, as_q8_0, dense_copies_fit, describe, packed_weights,
+                                    PackedWeight, as_q8_0, dense_copies_fit, describe, make_dense_copies, packed_weights,
                                     quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
@@ -189,7 +190,7 @@ def cache_dir(path: str, kind: str, extra: str = "") -> str:
     PAGEDSERVE_CACHE moves the root."""
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{extra}".encode()).hexdigest()[:16]
-    return os.path.join(packed_cache.cache_root(), kind, key)
+    return os.path.join(cache_root(), kind, key)
 
 
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
@@ -219,8 +220,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                 key, fit = None, False       # there already: nothing to compute or write
     if fit:
         with startup.phase("dense copies"):
-            for w in ws:
-                w.dense = w.dequantize(dtype)
+            make_dense_copies(ws, dtype)
     if line:
         log.info("%s", line)
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"

@@ -31,18 +31,13 @@ import os
 
 import torch
 
-from pagedserve.host import cpu_info
+from pagedserve.host import cache_root, cpu_info
 from pagedserve.model.quant import FORMATS, Packed, PackedWeight
 
 log = logging.getLogger("pagedserve")
 
 ENTRY_FORMAT = 1            # bump when the file's layout changes
 SAMPLE_BYTES = 1 << 20      # each of the model file's three sampled spans
-
-
-def cache_root() -> str:
-    """Where pagedserve keeps what it derives (PAGEDSERVE_CACHE moves it)."""
-    return os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
 
 
 @functools.cache

@@ -540,9 +540,13 @@ def add_dense_copies(model: nn.Module, dtype: torch.dtype, free_bytes: int | Non
     ws = packed_weights(model)
     fit, line = dense_copies_fit(ws, dtype, free_bytes)
     if fit:
-        for w in ws:
-            w.dense = w.dequantize(dtype)
+        make_dense_copies(ws, dtype)
     return line
+
+
+def make_dense_copies(ws: list[Packed], dtype: torch.dtype) -> None:
+    for w in ws:
+        w.dense = w.dequantize(dtype)
 
 
 def dense_copies_fit(ws: list[Packed], dtype: torch.dtype, free_bytes: int | None = None) -> tuple[bool, str]:

@@ -161,7 +161,10 @@ def test_dashboard_in_a_real_browser(served):
             seen["reason"] = seen["reason"] or reason
             if not shot and shared and reason and step >= 40:
                 os.makedirs(RESULTS, exist_ok=True)
-                driver.find_element("css selector", "tr.req").click()      # outline one request's block table
+                # outline one request's block table: found and clicked in one script, since the page redraws its
+                # rows every frame (a handle from find_element can be stale by the time it is clicked)
+                assert driver.execute_script(
+                    "const r = document.querySelector('tr.req'); if (r) r.click(); return !!r")
                 time.sleep(0.3)
                 driver.save_screenshot(os.path.join(RESULTS, "dashboard.png"))
                 shot = True
