@@ -9,6 +9,7 @@ both sides. Prints a table of ratios and writes the rows as JSON lines.
 Usage: python bench/real_models.py build/models/qwen2.5-coder-0.5b-q4_k_m.gguf [...more files]
            [--llama-server build/llama/bin/llama-server] [--workloads short8,mixed64] [--out FILE.jsonl]
            [--num-kv-blocks N]   (ours at a given pool; default: the engine's own sizing)
+           [--claims]            (write the rows into BENCHMARKS.md's first table: bench/claims.py)
 (the files: ../shared/bench/real_models.sh build/models; llama-server: ../shared/bench/build_llama_server.sh)
 """
 import argparse
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "real_models.jsonl"))
     ap.add_argument("--flags", default=None, help='engine arguments as JSON for our side, e.g. {"quantization": "gguf"}')
     ap.add_argument("--no-llama", action="store_true", help="our side only")
+    ap.add_argument("--claims", action="store_true", help="update BENCHMARKS.md's table (bench/claims.py)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side:                                   # a child: one model, one workload, ours
@@ -113,10 +115,35 @@ def main() -> None:
     for ours, llama in zip(rows[::2], rows[1::2]) if not a.no_llama else ():
         print(f"| {ours['model']} | {ours['workload']} | {ours['output_tok_s']} | {llama['output_tok_s']} | "
               f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x | {ours['peak_rss_mb']} / {llama['peak_rss_mb']} |")
+    if a.claims and not a.no_llama:
+        record_claims(rows, " ".join(["python", "bench/real_models.py", *sys.argv[1:]]))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+
+
+def record_claims(rows: list[dict], command: str) -> None:
+    """One claim row per (file, workload), and one peak-RSS row for mixed64 across the files."""
+    import claims
+    what = {"short8": "one stream (short8 sequential)", "mixed64": "mixed64 (all at once)"}
+    rss = []
+    for ours, llama in zip(rows[::2], rows[1::2]):
+        ok = "" if ours["token_counts_ok"] and llama["token_counts_ok"] else " (token counts NOT ok)"
+        claims.update(f"real:{ours['model']}:{ours['workload']}", benchmarks=None, command=f"`{command}`",
+                      claim=f"Real file {ours['model']}, {what.get(ours['workload'], ours['workload'])}, default flags",
+                      ours=f"{ours['output_tok_s']} tok/s{ok}",
+                      reference=f"llama-server {llama['output_tok_s']} tok/s (`--cache-ram 0`, same file)",
+                      ratio=f"**{ours['output_tok_s'] / llama['output_tok_s']:.2f}x**")
+        if ours["workload"] == "mixed64":
+            rss.append((ours["model"], ours["peak_rss_mb"], llama["peak_rss_mb"], ours["kv_blocks"]))
+    if rss:
+        claims.update("real:peak-rss", benchmarks=None, command="same",
+                      claim="Peak RSS, real files, mixed64 (" + " / ".join(m for m, *_ in rss) + ")",
+                      ours=" / ".join(f"{o:,} MB ({b:,} KV blocks)" for _, o, _, b in rss),
+                      reference="llama-server " + " / ".join(f"{l:,} MB" for _, _, l, _ in rss),
+                      ratio=" / ".join(f"**{o / l:.2f}x**" for _, o, l, _ in rss) + " (aim 1.3x)")
+    claims.write_table(claims.load())
 
 
 if __name__ == "__main__":
