@@ -4,6 +4,8 @@ tokens in, 128 out by default), a fixed number of requests. Prints output tok/s 
 p50 / p99 per server, and the ratio.
 
 Usage: python bench/guidellm_side_by_side.py --guidellm /tmp/gl/bin/guidellm [--streams 1] [--requests 8]
+           [--model FILE.gguf]  (default: the bundled SmolLM2-135M file; a real file: ../shared/bench/real_models.sh)
+           [--claim ID --claim-text "..."]  (write the ratio into BENCHMARKS.md's table: bench/claims.py)
            [--serve-args "--quantization gguf"] [--llama-server build/llama.cpp/bin/llama-server]
        --variants 'A;B' runs pagedserve once per `serve` flag set (A/B in one run, e.g. without and with
        '--speculative-config {"method":"ngram"}'); --no-llama-server skips llama.cpp's server.
@@ -93,19 +95,23 @@ def main():
     ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags")
     ap.add_argument("--variants", default=None, help="';'-separated `serve` flag sets, one pagedserve run each")
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF file served by both (default: the bundled model)")
+    ap.add_argument("--claim", default=None, help="claims.json row to update with pagedserve vs llama-server")
+    ap.add_argument("--claim-text", default=None, help="the row's claim text (needed for a new row)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "build/llama.cpp/bin/llama-server"))
     a = ap.parse_args()
     from pagedserve.host import describe
     from pagedserve.model.loader import resolve_model
     from pagedserve.tokenizer import load_tokenizer
-    src = resolve_model(None)
+    src = resolve_model(a.model)
     tokdir = tempfile.mkdtemp()
     load_tokenizer(src).save_pretrained(tokdir)
     print(f"host: {describe()}; guidellm {a.streams} stream(s), {a.requests} requests, "
           f"{a.prompt_tokens} -> {a.output_tokens} tokens")
     rows = []
     for flags in (a.variants.split(";") if a.variants else [a.serve_args]):
-        srv, base = serve(shlex.split(flags) + ["--max-num-seqs", str(max(16, a.streams))])
+        srv, base = serve(shlex.split(flags) + ["--max-num-seqs", str(max(16, a.streams))]
+                          + ([] if a.model is None else ["--model", src.path]))
         try:
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             rows.append((f"pagedserve serve {flags}".strip(), summary(run_guidellm(a.guidellm, base, model, tokdir, a))))
@@ -129,6 +135,15 @@ def main():
     for name, r in rows[1:]:
         print(f"\nratio {name} / {rows[0][0]}: output tok/s {r['output_tok_s'] / rows[0][1]['output_tok_s']:.2f}x, "
               f"ITL p50 {r['itl_p50_ms'] / rows[0][1]['itl_p50_ms']:.2f}x")
+    if a.claim and len(rows) == 2:
+        import claims
+        ours, llama = rows[0][1], rows[1][1]
+        claims.update(a.claim, **({"claim": a.claim_text} if a.claim_text else {}),
+                      command="`python bench/guidellm_side_by_side.py " + " ".join(sys.argv[1:]) + "`",
+                      ours=f"{ours['output_tok_s']} out tok/s, ITL p50 {ours['itl_p50_ms']} ms ({ours['ok']} ok)",
+                      reference=f"llama-server {llama['output_tok_s']}, ITL p50 {llama['itl_p50_ms']} ms",
+                      ratio=f"**{ours['output_tok_s'] / llama['output_tok_s']:.2f}x** tok/s, ITL p50 "
+                            f"{ours['itl_p50_ms'] / llama['itl_p50_ms']:.2f}x")
 
 
 if __name__ == "__main__":
