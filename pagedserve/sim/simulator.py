@@ -76,10 +76,19 @@ class SimResult:
     classes: TrafficClasses | None = None
     # with traffic classes, per class: ttft_s, itl_s (every gap) and worst_itl_s (each request's longest gap)
     by_class: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # every finished request (n = 1 and each parent of n > 1): (its index in the workload, priority, class name
+    # or None, TTFT s, longest inter-token gap s, finish time s)
+    finished: list[tuple[int, int, str | None, float, float, float]] = field(default_factory=list)
 
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def attainment(self, ttft_ms: float, itl_ms: float, which=None) -> float:
+        """The share of finished requests (those whose workload index is in `which`, or all) whose TTFT and
+        longest inter-token gap both met the targets: goodput's per-request test, with or without classes."""
+        rows = [r for r in self.finished if which is None or r[0] in which]
+        return sum(t * 1e3 <= ttft_ms and g * 1e3 <= itl_ms for *_, t, g, _ in rows) / len(rows) if rows else math.nan
 
     def pct(self, name: str, q: float) -> float:
         return _pct(sorted(getattr(self, name)), q)
@@ -118,8 +127,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, num_blocks: int,
-             max_model_len: int = 8192) -> SimResult:
-    """Run the workload through the real scheduler; `cost.step_time(features)` advances the clock."""
+             max_model_len: int = 8192, watch: frozenset[int] | None = None) -> SimResult:
+    """Run the workload through the real scheduler; `cost.step_time(features)` advances the clock. `watch`:
+    the workload indexes the run is for; it stops once they have all finished (a flood's backlog left running)."""
     clock = [0.0]
     classes = TrafficClasses.parse(args.traffic_classes)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
@@ -131,9 +141,10 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
     klass: dict[str, str] = {}       # request id -> its class's name
     worst: dict[str, float] = {}     # request id -> its longest inter-token gap so far
     pending = sorted(enumerate(reqs), key=lambda x: (x[1].arrival_s, x[0]), reverse=True)
-    arrival, last_token = {}, {}
+    arrival, last_token, first, meta = {}, {}, {}, {}
     res = SimResult(len(reqs), 0.0, 0, sum(len(r.prompt_token_ids) for r in reqs), 0, classes=classes)
-    while pending or sch.has_unfinished():
+    left = None if watch is None else set(watch)
+    while (pending or sch.has_unfinished()) and left != set():
         while pending and pending[-1][1].arrival_s <= clock[0]:
             i, r = pending.pop()
             sp = SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True)
@@ -149,6 +160,7 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
                 res.rejected += 1
                 continue
             arrival[rid] = r.arrival_s
+            meta[rid] = (i, r.priority, klass.get(rid))
         if not sch.has_unfinished():
             clock[0] = pending[-1][1].arrival_s
             continue
@@ -165,18 +177,24 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
                 if classes is not None else None
             if rid in last_token:
                 res.itl_s.append(now - last_token[rid])
+                worst[rid] = max(worst.get(rid, 0.0), res.itl_s[-1])
                 if per is not None:
                     per["itl_s"].append(res.itl_s[-1])
-                    worst[rid] = max(worst.get(rid, 0.0), res.itl_s[-1])
             elif not u.forked:
                 res.ttft_s.append(now - arrival[owner])
+                first.setdefault(owner, res.ttft_s[-1])
                 if per is not None:
                     per["ttft_s"].append(res.ttft_s[-1])
             last_token[rid] = now
             if u.finished:
                 res.e2e_s.append(now - arrival[owner])
-                if per is not None and rid == owner:
-                    per["worst_itl_s"].append(worst.pop(rid, 0.0))
+                gap = worst.pop(rid, 0.0)
+                if left is not None and rid == owner:
+                    left.discard(meta[rid][0])
+                if rid == owner:
+                    res.finished.append((*meta[rid], first.pop(rid, now - arrival[rid]), gap, now))
+                    if per is not None:
+                        per["worst_itl_s"].append(gap)
         res.kv_usage.append((clock[0], kv.usage()))
     res.duration_s = clock[0] - (min(r.arrival_s for r in reqs) if reqs else 0.0)
     return res

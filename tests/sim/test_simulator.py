@@ -220,3 +220,25 @@ def test_before_its_first_fit_the_live_model_predicts_by_its_prior_scaled_to_the
     live.observe(small, 3 * prior.step_time(row_features(shape, small)))               # ran 3x its prediction
     live.observe(small, 2 * prior.step_time(row_features(shape, small)))
     assert live(big) == pytest.approx(3 * prior.step_time(row_features(shape, big)))
+
+
+def test_every_request_is_recorded_once_with_its_ttft_and_longest_gap():
+    """Goodput's per-request test (bench/goodput.py): each finished request's TTFT and longest gap, by priority,
+    with and without traffic classes; the records agree with the latency lists they come from."""
+    from pagedserve.sim.simulator import SimRequest
+    reqs = [SimRequest(0.0, tuple(range(17, 17 + 600)), 40, 1, 10) for _ in range(6)]
+    reqs += [SimRequest(0.05 * i, tuple(range(17, 57)), 12, 1, 0) for i in range(8)]
+    classes = [{"name": "chat", "priority": 0, "itl_p99_ms": 60}, {"name": "bulk", "priority": 10}]
+    for args in (ARGS, EngineArgs(max_num_seqs=64, max_num_batched_tokens=2048, traffic_classes=classes)):
+        res = run(reqs, args=args)
+        assert sorted(i for i, *_ in res.finished) == list(range(14))
+        assert all(p == reqs[i].priority for i, p, *_ in res.finished)
+        assert {c for _, _, c, *_ in res.finished} == ({None} if args is ARGS else {"chat", "bulk"})
+        assert sorted(t for *_, t, _, _ in res.finished) == sorted(res.ttft_s)
+        assert max(g for *_, g, _ in res.finished) == max(res.itl_s)
+        assert sorted(d - reqs[i].arrival_s for i, *_, d in res.finished) == sorted(res.e2e_s)
+        chat = set(range(6, 14))
+        worst = max(g for i, *_, g, _ in res.finished if i in chat)
+        assert res.attainment(1e9, worst * 1e3, chat) == 1.0
+        assert res.attainment(1e9, worst * 1e3 - 1e-6, chat) < 1.0
+        assert res.attainment(0.0, 1e9) == 0.0
