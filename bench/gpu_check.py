@@ -3,8 +3,9 @@
 Time on an H200 per section, estimated from the first run's (stop 48: 156 s for env .. mixed64, the model written
 in 17 s and loaded in 4 s): env 10 s | unit 65 s, with reference (30 s) beside it | bandwidth 2 s | decode 45 s
 (writing the 8B-shaped model included; 5 row counts x 23 steps after their prefill) | mixed64 35 s (+30 s with
---profile) | traffic 80 s (two engine loads, four runs of 3 + 12 s). In all ~4 minutes (~4.5 with --profile),
-well inside the device tool's 10-minute command.
+--profile) | traffic 80 s (two engine loads, four runs of 3 + 12 s; a window stretches, to 30 s at most, until
+10 interactive requests fell in it). In all ~4 minutes (~4.5 with --profile; at most ~6 if every traffic
+window stretches), inside the device tool's 10-minute command.
 
     make gpu-check-assets                 # here: build/gpu_check/ (wheels the GPU image lacks, mixed64.jsonl)
     python bench/gpu_check.py --out DIR   # there (the device tool: carry ["build/gpu_check"], --out $OUT)
@@ -22,13 +23,14 @@ recorded and the next still runs:
              section compares graphs with eager)
   bandwidth  decode attention over 64 sequences x 4,096 positions (Llama-3-8B's KV heads, bf16): bytes of
              K/V read per second, next to a device-to-device copy's (read + written bytes per second)
+  decode     (bench/gpu_decode.py) decode steps of mixed64's Llama-3-8B-shaped model at 1 / 8 / 32 / 64 / 128
+             rows, 512 tokens of context, against the weight-read roofline (weight + KV bytes per step / a copy's
+             bandwidth measured here): the step's ratio to it and the host's share of the step (the step less the
+             forward's CUDA-event time)
   mixed64    a Llama-3-8B-shaped random model in bf16 (--layers of them): the shared mixed64 workload through
              pagedserve (CUDA graphs on) and through HF transformers' continuous batching on the same GPU,
              output tok/s and their ratio; each of our steps traced (`pagedserve simulate --calibrate-from`
              reads the file) and compared with the simulator's h200 profile (median |predicted / measured - 1|)
-  decode     (bench/gpu_decode.py) decode steps of the 8B-shaped model at 1 / 8 / 32 / 64 / 128 rows at 512 tokens
-             of context against the weight-read roofline (weight + KV bytes per step / a copy's bandwidth measured
-             here), the step's ratio to it and the host's share of the step (step - the forward's CUDA-event time)
   traffic    (bench/gpu_traffic.py) an interactive streaming class beside a batch class flooding with long prompts
              at priority 10, against the interactive stream alone and the batch class alone (and priorities only)
 
