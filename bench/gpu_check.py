@@ -1,5 +1,12 @@
 """Issue 28's GPU check: one command on one H200 (<= 8 minutes), every figure a JSON line.
 
+Time on an H200 per section, estimated from the first run's (stop 48: 156 s for env .. mixed64, the model written
+in 17 s and loaded in 4 s): env 10 s | unit 65 s, with reference (30 s) beside it | bandwidth 2 s | decode 45 s
+(writing the 8B-shaped model included; 5 row counts x 23 steps after their prefill) | mixed64 35 s (+30 s with
+--profile) | traffic 80 s (two engine loads, four runs of 3 + 12 s; a window stretches, to 30 s at most, until
+10 interactive requests fell in it). In all ~4 minutes (~4.5 with --profile; at most ~6 if every traffic
+window stretches), inside the device tool's 10-minute command.
+
     make gpu-check-assets                 # here: build/gpu_check/ (wheels the GPU image lacks, mixed64.jsonl)
     python bench/gpu_check.py --out DIR   # there (the device tool: carry ["build/gpu_check"], --out $OUT)
     python bench/gpu_check.py --cpu-smoke # here: every section at toy sizes on the CPU (Triton's interpreter)
@@ -16,13 +23,20 @@ recorded and the next still runs:
              section compares graphs with eager)
   bandwidth  decode attention over 64 sequences x 4,096 positions (Llama-3-8B's KV heads, bf16): bytes of
              K/V read per second, next to a device-to-device copy's (read + written bytes per second)
+  decode     (bench/gpu_decode.py) decode steps of mixed64's Llama-3-8B-shaped model at 1 / 8 / 32 / 64 / 128
+             rows, 512 tokens of context, against the weight-read roofline (weight + KV bytes per step / a copy's
+             bandwidth measured here): the step's ratio to it and the host's share of the step (the step less the
+             forward's CUDA-event time)
   mixed64    a Llama-3-8B-shaped random model in bf16 (--layers of them): the shared mixed64 workload through
              pagedserve (CUDA graphs on) and through HF transformers' continuous batching on the same GPU,
              output tok/s and their ratio; each of our steps traced (`pagedserve simulate --calibrate-from`
              reads the file) and compared with the simulator's h200 profile (median |predicted / measured - 1|)
+  traffic    (bench/gpu_traffic.py) an interactive streaming class beside a batch class flooding with long prompts
+             at priority 10, against the interactive stream alone and the batch class alone (and priorities only)
 
 Aims (issue 28): mixed64 >= 3x HF continuous batching; decode attention >= 60 % of the copy bandwidth; the
-h200 profile within 20 % of the measured step times.
+h200 profile within 20 % of the measured step times. Issue 53: a decode step at 64 rows <= 1.5x its roofline.
+Issue 54 (26's): with classes, interactive ITL p99 <= 1.5x idle, TTFT p99 <= 2x idle, batch >= 80 % of alone.
 """
 from __future__ import annotations
 
@@ -195,11 +209,8 @@ def bandwidth(device: str, smoke: bool) -> dict:
         ta.decode_attention(q, kv, tables, lens, scale, max_context=ctx, out=out)
 
     kv_bytes = 2 * B * ctx * n_kv * hd * 2
-    copy_src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
-    copy_dst = torch.empty_like(copy_src)
-    t_attn, t_copy = _time(attention, device, 3 if smoke else 50), _time(lambda: copy_dst.copy_(copy_src), device,
-                                                                           3 if smoke else 50)
-    attn_bw, copy_bw = kv_bytes / t_attn, 2 * kv_bytes / t_copy
+    t_attn, copy_bw = _time(attention, device, 3 if smoke else 50), copy_bandwidth(kv_bytes, device, smoke)
+    attn_bw, t_copy = kv_bytes / t_attn, 2 * kv_bytes / copy_bw
     # prefill, for tuning (no aim): the first 8 sequences' last `chunk` positions as chunks, causal over ctx
     P, chunk = (8, 512) if not smoke else (2, 8)
     cu = torch.arange(P + 1, device=device) * chunk
@@ -213,6 +224,14 @@ def bandwidth(device: str, smoke: bool) -> dict:
                 share_of_copy=round(attn_bw / copy_bw, 3), aim=">= 0.6",
                 prefill=dict(chunks=P, chunk=chunk, context=ctx, ms=round(t_pre * 1e3, 3),
                              tflop_s=round(flops / t_pre / 1e12, 2)))
+
+
+def copy_bandwidth(nbytes: int, device: str, smoke: bool) -> float:
+    """Bytes per second a device-to-device copy of `nbytes` reaches (read + written bytes)."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time(lambda: dst.copy_(src), device, 3 if smoke else 50)
 
 
 def _time(fn, device: str, iters: int) -> float:
@@ -234,6 +253,19 @@ def _time(fn, device: str, iters: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- mixed64
+
+def big_model(workdir: str, layers: int, device: str, smoke: bool) -> tuple[str, float]:
+    """The Llama-3-8B-shaped model's folder, written by the first section that needs it: (folder, seconds spent
+    writing it here, 0 when an earlier section did)."""
+    d = os.path.join(workdir, "llama3-8b-shaped")
+    done = os.path.join(d, ".written")         # not config.json: a write that failed half way is not reused
+    if os.path.exists(done):
+        return d, 0.0
+    t0 = time.perf_counter()
+    make_big_model(d, layers, device, smoke)
+    open(done, "w").close()
+    return d, time.perf_counter() - t0
+
 
 def make_big_model(d: str, layers: int, device: str, smoke: bool) -> None:
     import torch
@@ -401,10 +433,7 @@ def _profile(eng, reqs, out: str, out_tokens: int) -> dict:
 
 def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool, profile: bool = False) -> dict:
     sys.path.insert(0, ROOT)
-    d = os.path.join(workdir, "llama3-8b-shaped")
-    t0 = time.perf_counter()
-    make_big_model(d, layers, device, smoke)
-    made_s = time.perf_counter() - t0
+    d, made_s = big_model(workdir, layers, device, smoke)
     reqs = read_workload(smoke)
     a = ours(d, reqs, device, os.path.join(out, "step_trace.jsonl"), out, profile)
     Report(out)("mixed64-pagedserve", **a)        # written before the baseline's long run
@@ -424,6 +453,25 @@ def mixed64(device: str, workdir: str, out: str, layers: int, smoke: bool, profi
                 ratio=round(ratio, 2) if ratio else None, aim=">= 3x HF continuous batching")
 
 
+# ---------------------------------------------------------------------------------------------- decode, traffic
+
+def decode(device: str, workdir: str, layers: int, smoke: bool) -> dict:
+    """Issue 53 item 5: bench/gpu_decode.py against the bandwidth of a 1-GiB copy measured here."""
+    sys.path.insert(0, ROOT)
+    from bench import gpu_decode
+    d, made_s = big_model(workdir, layers, device, smoke)
+    bw = copy_bandwidth(2**30 if not smoke else 2**20, device, smoke)
+    return dict(model_layers=layers, model_write_s=round(made_s, 1), **gpu_decode.run(d, device, smoke, bw))
+
+
+def traffic(device: str, workdir: str, layers: int, smoke: bool) -> dict:
+    """Issue 54 item 6: bench/gpu_traffic.py's four runs."""
+    sys.path.insert(0, ROOT)
+    from bench import gpu_traffic
+    d, made_s = big_model(workdir, layers, device, smoke)
+    return dict(model_layers=layers, model_write_s=round(made_s, 1), **gpu_traffic.run(d, device, smoke))
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -431,7 +479,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check"))
     ap.add_argument("--layers", type=int, default=32, help="the Llama-3-8B-shaped model's layers (8B: 32)")
     ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: the script itself checked")
-    ap.add_argument("--sections", default="env,unit,reference,bandwidth,mixed64")
+    ap.add_argument("--sections", default="env,unit,reference,bandwidth,decode,mixed64,traffic")
     ap.add_argument("--profile", action="store_true", help="mixed64: also the sampler A/B, torch.profiler over "
                     "4 decode steps (profile_decode_steps.txt) and each decode graph replayed alone")
     ns = ap.parse_args()
@@ -451,9 +499,13 @@ def main() -> None:
             section(report, "unit", unit, child, ns.cpu_smoke)
         if "bandwidth" in wanted:
             section(report, "bandwidth", bandwidth, device, ns.cpu_smoke)
+        layers = 2 if ns.cpu_smoke else ns.layers
+        if "decode" in wanted:
+            section(report, "decode", decode, device, work, layers, ns.cpu_smoke)
         if "mixed64" in wanted:
-            section(report, "mixed64", mixed64, device, work, ns.out, 2 if ns.cpu_smoke else ns.layers,
-                    ns.cpu_smoke, ns.profile)
+            section(report, "mixed64", mixed64, device, work, ns.out, layers, ns.cpu_smoke, ns.profile)
+        if "traffic" in wanted:
+            section(report, "traffic", traffic, device, work, layers, ns.cpu_smoke)
         report("done", seconds=round(time.perf_counter() - t0, 1))
 
 
