@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import json
+import os
 from urllib.parse import urlparse
 
 from pagedserve.core.request import MMFeature
@@ -97,15 +98,23 @@ def image_from_url(url: str, param: str, allowed_domains: list[str] | None):
 
 class ImageInputs:
     """A vision-language model's image inputs: its processor (HF's, saved with the model: the pixels
-    HF's own processor makes), its image token and count, and the per-prompt limit."""
+    HF's own processor makes), its image token and count, and the per-prompt limit. An image is one
+    encoder input (LLaVA: `seq_len` image tokens) or several (Idefics3: one per crop of the split
+    image, each `seq_len` image tokens, between the tokens HF's processor writes around them)."""
 
     def __init__(self, path: str, vision_cfg, limit: int, tokenizer):
         from pagedserve.model.families import from_transformers
+        from pagedserve.model.idefics3 import Idefics3VisionConfig
         self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
         self.token_id: int = vision_cfg.image_token_id
         self.seq_len: int = vision_cfg.image_seq_len
         self.limit = limit
         self.placeholder: str = tokenizer.convert_ids_to_tokens(self.token_id)   # its text in a chat turn ("<image>")
+        self.tokenizer = tokenizer
+        self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3)
+        self.split = isinstance(vision_cfg, Idefics3VisionConfig)     # crops, and the tokens written around them
+        if self.split:
+            _check_idefics3_processor(path, self.processor, vision_cfg)
 
     def prompt(self, ids: list[int], urls: list[tuple[str, str]], allowed_domains: list[str] | None) -> dict:
         """A templated chat prompt and the image URLs its turns named (with the field naming each) -> the
@@ -119,34 +128,86 @@ class ImageInputs:
         ids, feats = self.expand(ids, images, "messages")
         return {"prompt_token_ids": ids, "mm_features": feats}
 
+    def _image(self, img) -> tuple[list[int], list]:
+        """One image -> the ids it stands for in the prompt and its encoder inputs (pixels), in order."""
+        if not self.split:
+            pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
+            return [self.token_id] * self.seq_len, [pixels]
+        from pagedserve.model.idefics3 import image_prompt
+        out = self.processor(images=[[img]], return_row_col_info=True, return_tensors="pt")
+        grid = (out["rows"][0][0], out["cols"][0][0])
+        if grid not in self._layouts:          # (a few grids recur: their ids tokenized once)
+            self._layouts[grid] = self.tokenizer.encode(image_prompt(*grid, self.seq_len), add_special_tokens=False)
+        rep, pixels = self._layouts[grid], list(out["pixel_values"][0])
+        if rep.count(self.token_id) != len(pixels) * self.seq_len:   # (the tokenizer split a tag into image tokens)
+            raise RuntimeError(f"an image's prompt has {rep.count(self.token_id)} image tokens for {len(pixels)} crops "
+                               f"of {self.seq_len}: the tokenizer does not keep Idefics3's image tags whole")
+        return rep, pixels
+
     def expand(self, ids: list[int], images: list, param: str) -> tuple[list[int], tuple[MMFeature, ...]]:
-        """Each image placeholder (one image token) -> seq_len image tokens, each an MMFeature of its image
-        (the prompt's images in order). A prompt already expanded (ids built by HF's processor: seq_len
-        image tokens per image) is taken as it is."""
+        """Each image placeholder (one image token) -> the image's ids (its seq_len image tokens per encoder
+        input, and what the family writes around them), each encoder input an MMFeature (the prompt's images
+        in order). A prompt already expanded (ids built by HF's processor) is taken as it is."""
         from pagedserve.model.vision import image_hash
         if len(images) > self.limit:
             raise ParamError(param, f"{param}: {len(images)} images, more than the {self.limit} allowed per prompt "
                                     "(--limit-mm-per-prompt)")
         at = [i for i, t in enumerate(ids) if t == self.token_id]
-        if len(at) == len(images) * self.seq_len and self.seq_len > 1 and \
-                all(at[k + self.seq_len - 1] - at[k] == self.seq_len - 1 for k in range(0, len(at), self.seq_len)):
-            at, width = at[::self.seq_len], self.seq_len        # already expanded
-        elif len(at) == len(images):
-            width = 1
-        else:
-            raise ParamError(param, f"{param}: the prompt has {len(at)} image placeholder tokens for {len(images)} "
-                                    "images (one placeholder per image)")
+        if len(at) < len(images):
+            raise self._mismatch(param, len(at), len(images))
+        parts = [self._image(img) for img in images]
+        spots = [(i, 1) for i in at] if len(at) == len(images) else self._expanded(ids, at, parts)
+        if spots is None:
+            raise self._mismatch(param, len(at), len(images))
         out: list[int] = []
         feats = []
         prev = 0
-        for i, img in zip(at, images):
+        for (i, width), img, (rep, pixels) in zip(spots, images, parts):
             out.extend(ids[prev:i])
-            pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
-            feats.append(MMFeature(image_hash(img), len(out), self.seq_len, pixels))
-            out.extend([self.token_id] * self.seq_len)
+            h = image_hash(img)
+            runs = [k for k, t in enumerate(rep) if t == self.token_id and (k == 0 or rep[k - 1] != self.token_id)]
+            for n, (k, px) in enumerate(zip(runs, pixels)):       # one feature per run of seq_len image tokens
+                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", len(out) + k, self.seq_len, px))
+            out.extend(rep)
             prev = i + width
         out.extend(ids[prev:])
         return out, tuple(feats)
+
+    def _expanded(self, ids: list[int], at: list[int], parts: list) -> list[tuple[int, int]] | None:
+        """Where each image's ids already stand in a prompt expanded by HF's processor (start, length), or
+        None when the prompt's image tokens are not exactly the images' expansions, in order."""
+        spots, j, end = [], 0, 0
+        for rep, _ in parts:
+            start = at[j] - rep.index(self.token_id) if j < len(at) else -1
+            if start < end or ids[start:start + len(rep)] != rep:
+                return None
+            spots.append((start, len(rep)))
+            j, end = j + rep.count(self.token_id), start + len(rep)
+        return spots if j == len(at) else None
+
+    def _mismatch(self, param: str, tokens: int, images: int) -> ParamError:
+        return ParamError(param, f"{param}: the prompt has {tokens} image placeholder tokens for {images} images "
+                                 "(one placeholder per image)")
+
+
+def _check_idefics3_processor(path: str, processor, cfg) -> None:
+    """The saved processor must make the crops the model's image-token count is for: a crop is
+    (image_size / patch_size / scale_factor)² tokens, so crops of the tower's image_size (`max_image_size`)
+    and that many `<image>` per crop in the prompt (`image_seq_len`); otherwise refused at load, naming the field."""
+    from pagedserve.model.families import UnsupportedModelError
+    side = (getattr(processor, "max_image_size", None) or {}).get("longest_edge")
+    if side != cfg.image_size or not hasattr(processor, "split_images"):
+        raise UnsupportedModelError(f"{path}: the image processor's max_image_size {side} is not the vision tower's "
+                                    f"image_size {cfg.image_size} (or it is not an Idefics3 image processor: "
+                                    f"{type(processor).__name__})")
+    try:
+        with open(os.path.join(path, "processor_config.json")) as f:
+            seq = json.load(f).get("image_seq_len", cfg.image_seq_len)
+    except FileNotFoundError:
+        seq = cfg.image_seq_len
+    if seq != cfg.image_seq_len:
+        raise UnsupportedModelError(f"{path}: processor_config.json image_seq_len {seq} differs from the model's "
+                                    f"{cfg.image_seq_len} vectors per crop")
 
 
 def check_image(img, param: str):

@@ -49,7 +49,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True           # renormalise the top-k router weights (Mixtral always, Qwen3-MoE by flag)
     dense_layers: list[int] = field(default_factory=list)  # MoE models' layers with a dense MLP instead
-    vision: object | None = None          # LLaVA: the image encoder's model.vision.VisionConfig (None: text only)
+    vision: object | None = None          # the image encoder's config (model/vision.py, model/idefics3.py; None: text)
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """2 (K and V) x layers x kv heads x (head dim x bytes + a scale's bytes): the seed's arithmetic."""

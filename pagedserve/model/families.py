@@ -44,6 +44,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SILU = {"hidden_act": ("silu",)}
 NO_MLP_BIAS = {"mlp_bias": (False,)}
 WINDOW_LAYERS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+# vision-language models (model/vision.py): an image encoder beside a text model of a family here
+VISION_MODEL_TYPES = ("llava", "idefics3", "smolvlm")
 ROUTER_TRAINING = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
 
 
@@ -235,13 +237,20 @@ def hf_config_dict(path: str) -> dict:
     """config.json through transformers' own class for its model_type (defaults and conversions)."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    if raw.get("model_type") != "llava":      # (LLaVA: its text_config is checked as its family's, in the loader)
+    if raw.get("model_type") not in VISION_MODEL_TYPES:   # (their text_config: checked as its family's, in the loader)
         family_of(raw)
     AutoConfig = from_transformers("AutoConfig")
     try:
-        return AutoConfig.for_model(**raw).to_dict()
+        hf = AutoConfig.for_model(**raw).to_dict()
     except (ValueError, TypeError) as e:      # transformers' own validation (rope lists, sizes, ...)
         raise UnsupportedModelError(f"config.json of {path} is not a valid {raw['model_type']} config: {e}") from e
+    # Idefics3's class builds its own tower whatever vision_config.model_type says (and rewrites it): one we
+    # do not compute is refused here; SmolVLM's own checkpoints name the tower after the model
+    tower = (raw.get("vision_config") or {}).get("model_type")
+    if tower not in (None, raw["model_type"], (hf.get("vision_config") or {}).get("model_type")):
+        raise UnsupportedModelError(f"{raw['model_type']}: vision_config.model_type {tower!r} is not implemented "
+                                    f"(supported: {hf['vision_config'].get('model_type')})")
+    return hf
 
 
 def model_config(hf: dict) -> ModelConfig:

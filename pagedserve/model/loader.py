@@ -27,7 +27,7 @@ from pagedserve.host import cache_root
 from pagedserve.model.config import ModelConfig
 from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
-from pagedserve.model.families import UnsupportedModelError, hf_config_dict, model_config
+from pagedserve.model.families import VISION_MODEL_TYPES, UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
                                     PackedWeight, as_q8_0, dense_copies_fit, describe, make_dense_copies, packed_weights,
@@ -259,15 +259,13 @@ def _build_model(src: ModelSource, cfg: ModelConfig, weights: dict, dtype: torch
 
 
 def _vision_weights(cfg: ModelConfig, weights: dict) -> dict:
-    from pagedserve.model.vision import vision_state_dict
-    return vision_state_dict(cfg.vision, weights)
+    return cfg.vision.take_weights(weights)    # (the encoder's tensors, popped from weights)
 
 
 def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):
-    """The image encoder (model/vision.py), beside the language model: dense in the model's dtype."""
-    from pagedserve.model.vision import LlavaVision
+    """The image encoder (model/vision.py, model/idefics3.py), beside the language model: dense in the model's dtype."""
     with torch.device("meta"):
-        vision = LlavaVision(cfg.vision)
+        vision = cfg.vision.build()
     want = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
@@ -408,7 +406,7 @@ def _language_model_name(key: str) -> str:
     """A LLaVA checkpoint's name of a language-model tensor -> a Llama's (both layouts transformers wrote:
     `language_model.model.X` / `language_model.lm_head`, and `model.language_model.X` / `lm_head`)."""
     for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                     ("model.language_model.", "model.")):
+                     ("model.language_model.", "model."), ("model.text_model.", "model.")):   # (the last: Idefics3's)
         if key.startswith(old):
             return new + key[len(old):]
     return key
@@ -692,10 +690,11 @@ def _hf_model_config(path: str) -> ModelConfig:
     """config.json -> ModelConfig, refusing any architecture or field we do not compute (families.py)."""
     try:
         hf = hf_config_dict(path)
-        if hf.get("model_type") != "llava":
+        if hf.get("model_type") not in VISION_MODEL_TYPES:
             return model_config(hf)
-        from pagedserve.model.vision import llava_vision_config    # a vision-language model: its parts
-        vision = llava_vision_config(hf)
+        from pagedserve.model.idefics3 import idefics3_vision_config    # a vision-language model: its parts
+        from pagedserve.model.vision import llava_vision_config
+        vision = (llava_vision_config if hf["model_type"] == "llava" else idefics3_vision_config)(hf)
         cfg = model_config(hf["text_config"])
         cfg.vision = vision
         return cfg

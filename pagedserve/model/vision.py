@@ -52,6 +52,13 @@ class VisionConfig:
         """Tower layers computed: none past the deepest hidden state read."""
         return max(i if i >= 0 else self.num_layers + 1 + i for i in self.feature_layers)
 
+    def build(self) -> nn.Module:
+        """The encoder (its weights still to assign)."""
+        return LlavaVision(self)
+
+    def take_weights(self, weights: dict) -> dict:
+        return vision_state_dict(self, weights)
+
 
 _ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -198,3 +198,26 @@ def test_anthropic_image_blocks_equal_chat(client, server):
             {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/x.png"}}]}])
     assert "allowed-media-domains" in e.value.body["error"]["message"]
     assert idle(server[1]) and not any(server[1].held().values())
+
+
+def test_idefics3_over_http_equals_hf(tmp_path):
+    """Idefics3 (model/idefics3.py) behind the same API: two images in one chat message, each split into
+    crops as HF's processor splits it, give HF's greedy text and its prompt length; the same images again
+    hit the encoder cache, crop by crop."""
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    from tests.model.families import save_tiny_idefics3
+    model = (str(tmp_path), *save_tiny_idefics3(tmp_path))
+    imgs = [random_image(1), random_image(2, (80, 40))]          # 2x2 crops + global, 1x2 + global
+    content = [{"type": "image_url", "image_url": {"url": data_url(imgs[0])}}, {"type": "text", "text": "w9"},
+               {"type": "image_url", "image_url": {"url": data_url(imgs[1])}}]
+    want, n_prompt = _hf_text(model, "w3 <image>\n<image>\nw9 w4 w5", imgs)
+    engine = LLMEngine(EngineArgs(model[0], dtype="float32", num_kv_blocks=160, block_size=4))
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for _ in range(2):
+            r = _chat(client, content)
+            assert r.choices[0].message.content == want and r.usage.prompt_tokens == n_prompt
+        enc = engine.core.scheduler.encoder
+        assert engine.core.runner.encoder_runs == 8 and enc.misses == 8
+        assert idle(engine)

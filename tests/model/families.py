@@ -203,3 +203,47 @@ def random_image(seed: int, size: tuple[int, int] = (40, 50)):
     import numpy as np
     from PIL import Image
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+IDEFICS3_IMAGE, IDEFICS3_PATCH = 32, 4     # a tiny SigLIP-style tower: 8x8 patches, pixel shuffle 2 -> 16 tokens a crop
+IDEFICS3_ROW_COL = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+
+
+def save_tiny_idefics3(d, model_type: str = "idefics3", sharpen: float = 4.0, split: bool = True):
+    """A seeded random Idefics3 (or SmolVLM: the same model under its own names) written by transformers
+    with its processor: an image is resized to 64 px on its longest edge, split into 32 px crops plus the
+    global image (split=False: the global image alone), 16 image tokens a crop. The tokenizer keeps "\\n"
+    as a token, as real ones do (the processor writes newlines between crop rows). SmolVLM's own processor
+    needs torchvision for its video part, so Idefics3's (the same image prompt) is saved with it.
+    Returns (model, processor)."""
+    import transformers
+    from tokenizers import AddedToken
+    from transformers import Idefics3ImageProcessor, Idefics3Processor, LlamaConfig
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
+    tok = tiny_tokenizer(256)
+    tok.add_tokens([AddedToken("\n", normalized=False)])
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>", *IDEFICS3_ROW_COL]})
+    tok.chat_template = CHAT_TEMPLATE
+    vision = getattr(transformers, f"{prefix}VisionConfig")(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=IDEFICS3_IMAGE,
+        patch_size=IDEFICS3_PATCH)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = getattr(transformers, f"{prefix}Config")(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                                   scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).eval()
+    with torch.no_grad():     # sharper than the default init: greedy is meaningful and images change it
+        for n, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(sharpen)
+            elif "norm" in n and n.endswith("weight"):
+                p.normal_(1.0, 0.2)
+    hf.save_pretrained(d)
+    image_proc = Idefics3ImageProcessor(size={"longest_edge": 2 * IDEFICS3_IMAGE}, do_image_splitting=split,
+                                        max_image_size={"longest_edge": IDEFICS3_IMAGE})
+    proc = Idefics3Processor(image_processor=image_proc, tokenizer=tok,
+                             image_seq_len=(IDEFICS3_IMAGE // IDEFICS3_PATCH) ** 2 // 4)
+    proc.save_pretrained(d)
+    return hf, proc
