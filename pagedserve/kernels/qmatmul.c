@@ -608,12 +608,10 @@ static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int 
  * so without VNNI its weights go in as |w| with the sign moved onto x (as q8_rows does) and no m term */
 #define X8_SIGNED (!Q8_VNNI)
 
-/* 4 int8 inputs in every 32-bit lane (one broadcast load) */
-INLINE __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
+/* 4 int8 inputs in every 32-bit lane: one vpbroadcastd from memory (a load). Through an int (memcpy, set1)
+ * GCC merged neighbouring loads into 64-bit ones and broadcast from general registers: ~3 uops a broadcast,
+ * two of them on the vector ALU's shuffle pipes, which the products were bound by */
+INLINE __m256i bcast4(const int8_t *p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
 
 /* 8 outputs' dot products with 16 inputs xq[0..15]: v[p] holds the 8 rows' weights 4p .. 4p+3 (sg: their signs,
  * moved onto x, where the weights went in as |w|; NULL otherwise) */
@@ -625,11 +623,18 @@ INLINE __m256i dot16(const __m256i *v, const __m256i *sg, const int8_t *xq) {
 }
 #endif
 
-/* the group of 8 rows starting at row n, the next group's bytes prefetched (PREFETCH_ROWS ahead) */
-INLINE const uint8_t *x8_group(const uint8_t *w, int n, int64_t row_bytes) {
-    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + PREFETCH_ROWS * row_bytes;
-    for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-    return g;
+/* The grouped kernels ask for the next group's (or pair's) bytes at the same offset as they read, a block's
+ * lines per block (prefetch_span): at the pace they read, so the requests are in flight while the products
+ * run. Asked for in one burst at a group's start (and with the non-temporal hint), the lines stalled the
+ * loads behind them and memory and arithmetic took turns: a one-row Q4_Kx8 product of 8960 x 1536 read from
+ * memory at 11 GB/s on one Zen 4 core (24 GB/s by a plain read), 22 GB/s spread. Distance: a group (pair)
+ * of rows, 7 to 80 KB for K of 1536 to 8960, inside L2. */
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2
+#endif
+/* the lines of [p, p + bytes) asked for (one more where p is not line-aligned) */
+INLINE void prefetch_span(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes + 63; o += 64) __builtin_prefetch(p + o, 0, PF_LOCALITY);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -647,19 +652,11 @@ INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 ->
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
-/* the two groups of 8 rows starting at row n, the next two groups' bytes prefetched */
-INLINE const uint8_t *x16_pair(const uint8_t *w, int n, int64_t row_bytes) {
-    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + 2 * PREFETCH_ROWS * row_bytes;
-    for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-    return g;
-}
 
 /* 16 rows' dot products with 16 inputs xq[0..15]: v[p] holds the rows' weights 4p .. 4p+3 (dot16's, 16 rows wide) */
 INLINE __m512i dot16x16(const __m512i *v, const int8_t *xq) {
-    int32_t x4[4];
-    memcpy(x4, xq, 16);
     __m512i a = _mm512_setzero_si512();
-    for (int p = 0; p < 4; p++) a = _mm512_dpbusd_epi32(a, v[p], _mm512_set1_epi32(x4[p]));
+    for (int p = 0; p < 4; p++) a = _mm512_dpbusd_epi32(a, v[p], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * p)));
     return a;
 }
 
@@ -690,12 +687,14 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     const int nb = K / 32, hdr = x8_header(fmt);
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b0 = x8_block(fmt, g0, j, row_bytes, nb), *b1 = x8_block(fmt, g1, j, row_bytes, nb);
+            prefetch_span(b0 + 16 * row_bytes, (int)(row_bytes / nb * 8));
+            prefetch_span(b1 + 16 * row_bytes, (int)(row_bytes / nb * 8));
             const __m512 dw = fmt == W_I8X8 ? _mm512_set1_ps(1.0f) : cat_f16(b0, b1);
             const __m512 mw = fmt == W_Q4_1X8 ? cat_f16(b0 + 16, b1 + 16)
                                               : _mm512_mul_ps(dw, _mm512_set1_ps(x8_m_per_d(fmt)));
@@ -736,13 +735,14 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     n0 = x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
+            prefetch_span(b + 8 * row_bytes, (int)(row_bytes / nb * 8));
             const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mw = fmt == W_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
                               : x8_bytes8(fmt) && X8_SIGNED ? _mm256_setzero_ps()
@@ -871,7 +871,7 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int nb = K / 32;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
@@ -879,6 +879,8 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
             const uint8_t *b0 = g0 + (int64_t)sb * Q4KX8_BYTES, *b1 = g1 + (int64_t)sb * Q4KX8_BYTES;
             const __m512 dv = cat_f16(b0, b1), mv = cat_f16(b0 + 16, b1 + 16);
             for (int t = 0; t < 4; t++) {          /* a pair of sub-blocks: their 32 shared bytes a row loaded once */
+                prefetch_span(b0 + 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
+                prefetch_span(b1 + 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m512i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
                 for (int half = 0; half < 2; half++) {
@@ -910,7 +912,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
     n0 = q4kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
@@ -920,6 +922,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
             for (int t = 0; t < 4; t++) {
+                prefetch_span(b + 8 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m256i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = _mm256_loadu_si256((const __m256i *)(b + 160 + 256 * t + 32 * p));
                 for (int half = 0; half < 2; half++) {
@@ -1012,7 +1015,7 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int32_t *s16 = x.s16;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
@@ -1024,6 +1027,8 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
                 for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
                 for (int t = 0; t < 4; t++) {
                     const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
+                    prefetch_span(b0 + 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
+                    prefetch_span(b1 + 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
                     __m512i v[8];
                     for (int p = 0; p < 8; p++) {
                         __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
@@ -1062,7 +1067,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
         n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM];
 #pragma GCC unroll 8
@@ -1075,6 +1080,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
                 for (int p = 0; p < 8; p++) hb[p] = _mm256_loadu_si256((const __m256i *)(b + 1168 + 256 * h + 32 * p));
                 for (int t = 0; t < 4; t++) {
                     const int s = 4 * h + t, j = 8 * sb + s, g0 = 8 * h + 2 * t;
+                    prefetch_span(b + 8 * row_bytes + Q6KX8_BYTES / 8 * s, Q6KX8_BYTES / 8);
                     const uint8_t *lb = b + 144 + 256 * (2 * h + (t & 1));
                     __m256i v[8];
                     for (int p = 0; p < 8; p++) {
