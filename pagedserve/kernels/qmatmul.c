@@ -632,6 +632,9 @@ INLINE __m256i dot16(const __m256i *v, const __m256i *sg, const int8_t *xq) {
 #ifndef PF_LOCALITY
 #define PF_LOCALITY 2
 #endif
+#ifndef PF_PAIRS
+#define PF_PAIRS 1
+#endif
 /* the lines of [p, p + bytes) asked for (one more where p is not line-aligned) */
 INLINE void prefetch_span(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes + 63; o += 64) __builtin_prefetch(p + o, 0, PF_LOCALITY);
@@ -693,8 +696,8 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b0 = x8_block(fmt, g0, j, row_bytes, nb), *b1 = x8_block(fmt, g1, j, row_bytes, nb);
-            prefetch_span(b0 + 16 * row_bytes, (int)(row_bytes / nb * 8));
-            prefetch_span(b1 + 16 * row_bytes, (int)(row_bytes / nb * 8));
+            prefetch_span(b0 + PF_PAIRS * 16 * row_bytes, (int)(row_bytes / nb * 8));
+            prefetch_span(b1 + PF_PAIRS * 16 * row_bytes, (int)(row_bytes / nb * 8));
             const __m512 dw = fmt == W_I8X8 ? _mm512_set1_ps(1.0f) : cat_f16(b0, b1);
             const __m512 mw = fmt == W_Q4_1X8 ? cat_f16(b0 + 16, b1 + 16)
                                               : _mm512_mul_ps(dw, _mm512_set1_ps(x8_m_per_d(fmt)));
@@ -742,7 +745,7 @@ INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
-            prefetch_span(b + 8 * row_bytes, (int)(row_bytes / nb * 8));
+            prefetch_span(b + PF_PAIRS * 8 * row_bytes, (int)(row_bytes / nb * 8));
             const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mw = fmt == W_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
                               : x8_bytes8(fmt) && X8_SIGNED ? _mm256_setzero_ps()
@@ -879,8 +882,8 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
             const uint8_t *b0 = g0 + (int64_t)sb * Q4KX8_BYTES, *b1 = g1 + (int64_t)sb * Q4KX8_BYTES;
             const __m512 dv = cat_f16(b0, b1), mv = cat_f16(b0 + 16, b1 + 16);
             for (int t = 0; t < 4; t++) {          /* a pair of sub-blocks: their 32 shared bytes a row loaded once */
-                prefetch_span(b0 + 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
-                prefetch_span(b1 + 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
+                prefetch_span(b0 + PF_PAIRS * 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
+                prefetch_span(b1 + PF_PAIRS * 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m512i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
                 for (int half = 0; half < 2; half++) {
@@ -922,7 +925,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
             for (int t = 0; t < 4; t++) {
-                prefetch_span(b + 8 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
+                prefetch_span(b + PF_PAIRS * 8 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m256i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = _mm256_loadu_si256((const __m256i *)(b + 160 + 256 * t + 32 * p));
                 for (int half = 0; half < 2; half++) {
@@ -1002,8 +1005,9 @@ static void q6kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
 }
 
 #if defined(X16)
-/* Q6_Kx8 two groups a zmm, as x16_rows: each lane does q6kx8_rows' operations in its order (the same bits);
- * taken for calls of 8 x rows (a one-row step measured 1.3x slower here, 32 rows 1.43x faster) */
+/* Q6_Kx8 two groups a zmm, as x16_rows: each lane does q6kx8_rows' operations in its order (the same bits).
+ * Taken for every call since the x inputs are broadcast from memory (1.1-1.2x on 1 to 4 x rows, Zen 4); a
+ * 6-bit weight is its nibble and its bit pair moved to bits 4-5, merged by one vpternlogd (bitwise select) */
 INLINE __m512 cat_i8ps(const uint8_t *a, const uint8_t *b) {   /* 8 + 8 signed bytes -> 16 float */
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
                                                                       _mm_loadl_epi64((const __m128i *)b))));
@@ -1027,14 +1031,16 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
                 for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
                 for (int t = 0; t < 4; t++) {
                     const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
-                    prefetch_span(b0 + 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
-                    prefetch_span(b1 + 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
+                    prefetch_span(b0 + PF_PAIRS * 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
+                    prefetch_span(b1 + PF_PAIRS * 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
                     __m512i v[8];
                     for (int p = 0; p < 8; p++) {
-                        __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
-                        lo = _mm512_and_si512(_mm512_srli_epi16(lo, 4 * (t >> 1)), _mm512_set1_epi8(15));
-                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(hb[p], 2 * t), _mm512_set1_epi8(3));
-                        v[p] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                        __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p), hi = hb[p];
+                        if (t >> 1) lo = _mm512_srli_epi16(lo, 4);
+                        if (t < 2) hi = _mm512_slli_epi16(hi, 4 - 2 * t);        /* bit pair t to bits 4-5 */
+                        else if (t == 3) hi = _mm512_srli_epi16(hi, 2);
+                        v[p] = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x30), hi, lo, 0xca);   /* m ? hi : lo */
+                        v[p] = _mm512_and_si512(v[p], _mm512_set1_epi8(63));
                     }
                     const __m512 sc0 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * gi, b1 + 16 + 8 * gi));
                     const __m512 sc1 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * (gi + 1), b1 + 16 + 8 * (gi + 1)));
@@ -1063,8 +1069,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
     const int nb = K / 32, ng = K / 16;
     const int32_t *s16 = x.s16;
 #if defined(X16)
-    if (M == MAXM)          /* its unpacking per 16 rows costs more than the 8-row path saves below 8 x rows */
-        n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
+    n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = w + (int64_t)n * row_bytes;
@@ -1080,7 +1085,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
                 for (int p = 0; p < 8; p++) hb[p] = _mm256_loadu_si256((const __m256i *)(b + 1168 + 256 * h + 32 * p));
                 for (int t = 0; t < 4; t++) {
                     const int s = 4 * h + t, j = 8 * sb + s, g0 = 8 * h + 2 * t;
-                    prefetch_span(b + 8 * row_bytes + Q6KX8_BYTES / 8 * s, Q6KX8_BYTES / 8);
+                    prefetch_span(b + PF_PAIRS * 8 * row_bytes + Q6KX8_BYTES / 8 * s, Q6KX8_BYTES / 8);
                     const uint8_t *lb = b + 144 + 256 * (2 * h + (t & 1));
                     __m256i v[8];
                     for (int p = 0; p < 8; p++) {
