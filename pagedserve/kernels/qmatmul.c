@@ -323,6 +323,7 @@ typedef struct {
     const float *d;     /* M x nb: each block's scale */
     const float *ds;    /* M x nb: d * sum(q) of each block (the m term) */
     const int32_t *s16; /* M x K/16: 32 x the sum of q over each 16 (Q6_Kx8's -32; NULL for the others) */
+    const int32_t *xe;  /* M x 2K: q widened for x8w_rows (NULL where it is not taken) */
 } q8rows;
 
 /* x (M x K float32) -> int8 blocks of 32 */
@@ -731,11 +732,62 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 #endif
 
 /* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
+#if defined(X16)
+/* 8-bit groups (Q8_0x8, I8x8) for 1 or 2 x rows: one group a zmm read as it lies (chunks 2i and 2i + 1: no
+ * inserts, which x16_rows spends one a vector on), against x widened once per call (x8w_expand: 4 inputs
+ * in the low 8 lanes, the next 4 in the high 8); the two halves' integer sums added, then x8_rows' float
+ * operations in its order (the same bits). 0.5B's Q8_0 LM head, 2 rows: 1.25x (1 row: memory-bound, even) */
+#define X8W_MAX_M 2
+INLINE int x8w_takes(int fmt, int M) { return (fmt == W_Q8_0X8 || fmt == W_I8X8) && M <= X8W_MAX_M; }
+
+static void x8w_expand(const int8_t *q, int64_t n, int32_t *xe) {
+    for (int64_t i = 0; i < n / 8; i++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_broadcastd_epi32(_mm_loadu_si32(q + 8 * i)),
+                                             _mm256_broadcastd_epi32(_mm_loadu_si32(q + 8 * i + 4)), 1);
+        _mm512_storeu_si512(xe + 16 * i, v);
+    }
+}
+
+INLINE int x8w_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
+                    int n0, int n1) {
+    const int nb = K / 32, hdr = x8_header(fmt);
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        const uint8_t *g = w + (int64_t)n * row_bytes;
+        __m256 acc[X8W_MAX_M], accm[X8W_MAX_M];
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
+            prefetch_span(b + PF_PAIRS * 8 * row_bytes, (int)(row_bytes / nb * 8));
+            const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(x8_m_per_d(fmt)));
+            __m512i v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_si512(b + hdr + 64 * i);
+            for (int m = 0; m < M; m++) {
+                const int32_t *xe = x.xe + 2 * ((int64_t)m * K + 32 * j);
+                __m512i a = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) a = _mm512_dpbusd_epi32(a, v[i], _mm512_loadu_si512(xe + 16 * i));
+                const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+                const __m256 sx = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8), sx, acc[m]);
+                accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
+            }
+        }
+        const __m256 rs = fmt == W_I8X8 ? _mm256_loadu_ps((const float *)g) : _mm256_set1_ps(1.0f);
+        for (int m = 0; m < M; m++)
+            _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_mul_ps(_mm256_add_ps(acc[m], accm[m]), rs));
+    }
+    return n;
+}
+#else
+INLINE int x8w_takes(int fmt, int M) { (void)fmt, (void)M; return 0; }
+#endif
+
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
 #if defined(X16)
-    n0 = x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
+    n0 = x.xe ? x8w_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1) : x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = w + (int64_t)n * row_bytes;
@@ -1178,18 +1230,27 @@ void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt
             s16[i] = 32 * sum;
         }
     }
+    int32_t *xe = NULL;
+    if (x8w_takes(fmt, M)) {                   /* x widened 8x for x8w_rows, once per call */
+        xe = malloc(sizeof(int32_t) * 2 * (size_t)M * K);
+        if (!xe) { free(q); free(s16); return; }
+#if defined(X16)
+        x8w_expand(q, (int64_t)M * K, xe);
+#endif
+    }
     q8_fn f = Q8[fmt];
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int it = 0; it < items; it++) {
         int n0 = it * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int m0 = 0; m0 < M; m0 += MAXM) {
             q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb,
-                         s16 ? s16 + (int64_t)m0 * (K / 16) : NULL};
+                         s16 ? s16 + (int64_t)m0 * (K / 16) : NULL, xe ? xe + 2 * (int64_t)m0 * K : NULL};
             f(M - m0 < MAXM ? M - m0 : MAXM, xr, K, w, row_bytes, out + (int64_t)m0 * ldo, ldo, n0, n1);
         }
     }
     free(q);
     free(s16);
+    free(xe);
 }
 
 /* n rows (rows[i], or 0..n-1 when rows is NULL) of W as float32 or bfloat16, n x K, contiguous; an
