@@ -656,7 +656,6 @@ INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 ->
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
-
 /* 16 rows' dot products with 16 inputs xq[0..15]: v[p] holds the rows' weights 4p .. 4p+3 (dot16's, 16 rows wide) */
 INLINE __m512i dot16x16(const __m512i *v, const int8_t *xq) {
     __m512i a = _mm512_setzero_si512();
@@ -731,7 +730,6 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 }
 #endif
 
-/* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
 #if defined(X16)
 /* 8-bit groups (Q8_0x8, I8x8) for 1 or 2 x rows: one group a zmm read as it lies (chunks 2i and 2i + 1: no
  * inserts, which x16_rows spends one a vector on), against x widened once per call (x8w_expand: 4 inputs
@@ -783,6 +781,7 @@ INLINE int x8w_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 INLINE int x8w_takes(int fmt, int M) { (void)fmt, (void)M; return 0; }
 #endif
 
+/* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
