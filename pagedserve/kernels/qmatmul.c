@@ -323,6 +323,7 @@ typedef struct {
     const float *d;     /* M x nb: each block's scale */
     const float *ds;    /* M x nb: d * sum(q) of each block (the m term) */
     const int32_t *s16; /* M x K/16: 32 x the sum of q over each 16 (Q6_Kx8's -32; NULL for the others) */
+    const int32_t *xe;  /* M x 2K: q widened for x8w_rows (NULL where it is not taken) */
 } q8rows;
 
 /* x (M x K float32) -> int8 blocks of 32 */
@@ -608,12 +609,10 @@ static void x8_unpack_row(int fmt, const uint8_t *w, int64_t rb, int64_t r, int 
  * so without VNNI its weights go in as |w| with the sign moved onto x (as q8_rows does) and no m term */
 #define X8_SIGNED (!Q8_VNNI)
 
-/* 4 int8 inputs in every 32-bit lane (one broadcast load) */
-INLINE __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
+/* 4 int8 inputs in every 32-bit lane: one vpbroadcastd from memory (a load). Through an int (memcpy, set1)
+ * GCC merged neighbouring loads into 64-bit ones and broadcast from general registers: ~3 uops a broadcast,
+ * two of them on the vector ALU's shuffle pipes, which the products were bound by */
+INLINE __m256i bcast4(const int8_t *p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
 
 /* 8 outputs' dot products with 16 inputs xq[0..15]: v[p] holds the 8 rows' weights 4p .. 4p+3 (sg: their signs,
  * moved onto x, where the weights went in as |w|; NULL otherwise) */
@@ -625,11 +624,21 @@ INLINE __m256i dot16(const __m256i *v, const __m256i *sg, const int8_t *xq) {
 }
 #endif
 
-/* the group of 8 rows starting at row n, the next group's bytes prefetched (PREFETCH_ROWS ahead) */
-INLINE const uint8_t *x8_group(const uint8_t *w, int n, int64_t row_bytes) {
-    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + PREFETCH_ROWS * row_bytes;
-    for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-    return g;
+/* The grouped kernels ask for the next group's (or pair's) bytes at the same offset as they read, a block's
+ * lines per block (prefetch_span): at the pace they read, so the requests are in flight while the products
+ * run. Asked for in one burst at a group's start (and with the non-temporal hint), the lines stalled the
+ * loads behind them and memory and arithmetic took turns: a one-row Q4_Kx8 product of 8960 x 1536 read from
+ * memory at 11 GB/s on one Zen 4 core (24 GB/s by a plain read), 22 GB/s spread. Distance: a group (pair)
+ * of rows, 7 to 80 KB for K of 1536 to 8960, inside L2. */
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2
+#endif
+#ifndef PF_PAIRS
+#define PF_PAIRS 1
+#endif
+/* the lines of [p, p + bytes) asked for (one more where p is not line-aligned) */
+INLINE void prefetch_span(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes + 63; o += 64) __builtin_prefetch(p + o, 0, PF_LOCALITY);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -647,19 +656,10 @@ INLINE __m512 cat_f16(const uint8_t *a, const uint8_t *b) {      /* 8 + 8 f16 ->
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
-/* the two groups of 8 rows starting at row n, the next two groups' bytes prefetched */
-INLINE const uint8_t *x16_pair(const uint8_t *w, int n, int64_t row_bytes) {
-    const uint8_t *g = w + (int64_t)n * row_bytes, *ahead = g + 2 * PREFETCH_ROWS * row_bytes;
-    for (int64_t b = 0; b < 16 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-    return g;
-}
-
 /* 16 rows' dot products with 16 inputs xq[0..15]: v[p] holds the rows' weights 4p .. 4p+3 (dot16's, 16 rows wide) */
 INLINE __m512i dot16x16(const __m512i *v, const int8_t *xq) {
-    int32_t x4[4];
-    memcpy(x4, xq, 16);
     __m512i a = _mm512_setzero_si512();
-    for (int p = 0; p < 4; p++) a = _mm512_dpbusd_epi32(a, v[p], _mm512_set1_epi32(x4[p]));
+    for (int p = 0; p < 4; p++) a = _mm512_dpbusd_epi32(a, v[p], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * p)));
     return a;
 }
 
@@ -690,12 +690,14 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
     const int nb = K / 32, hdr = x8_header(fmt);
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b0 = x8_block(fmt, g0, j, row_bytes, nb), *b1 = x8_block(fmt, g1, j, row_bytes, nb);
+            prefetch_span(b0 + PF_PAIRS * 16 * row_bytes, (int)(row_bytes / nb * 8));
+            prefetch_span(b1 + PF_PAIRS * 16 * row_bytes, (int)(row_bytes / nb * 8));
             const __m512 dw = fmt == W_I8X8 ? _mm512_set1_ps(1.0f) : cat_f16(b0, b1);
             const __m512 mw = fmt == W_Q4_1X8 ? cat_f16(b0 + 16, b1 + 16)
                                               : _mm512_mul_ps(dw, _mm512_set1_ps(x8_m_per_d(fmt)));
@@ -728,21 +730,73 @@ INLINE int x16_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t r
 }
 #endif
 
+#if defined(X16)
+/* 8-bit groups (Q8_0x8, I8x8) for 1 or 2 x rows: one group a zmm read as it lies (chunks 2i and 2i + 1: no
+ * inserts, which x16_rows spends one a vector on), against x widened once per call (x8w_expand: 4 inputs
+ * in the low 8 lanes, the next 4 in the high 8); the two halves' integer sums added, then x8_rows' float
+ * operations in its order (the same bits). 0.5B's Q8_0 LM head, 2 rows: 1.25x (1 row: memory-bound, even) */
+#define X8W_MAX_M 2
+INLINE int x8w_takes(int fmt, int M) { return (fmt == W_Q8_0X8 || fmt == W_I8X8) && M <= X8W_MAX_M; }
+
+static void x8w_expand(const int8_t *q, int64_t n, int32_t *xe) {
+    for (int64_t i = 0; i < n / 8; i++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_broadcastd_epi32(_mm_loadu_si32(q + 8 * i)),
+                                             _mm256_broadcastd_epi32(_mm_loadu_si32(q + 8 * i + 4)), 1);
+        _mm512_storeu_si512(xe + 16 * i, v);
+    }
+}
+
+INLINE int x8w_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
+                    int n0, int n1) {
+    const int nb = K / 32, hdr = x8_header(fmt);
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        const uint8_t *g = w + (int64_t)n * row_bytes;
+        __m256 acc[X8W_MAX_M], accm[X8W_MAX_M];
+        for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
+            prefetch_span(b + PF_PAIRS * 8 * row_bytes, (int)(row_bytes / nb * 8));
+            const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(x8_m_per_d(fmt)));
+            __m512i v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_si512(b + hdr + 64 * i);
+            for (int m = 0; m < M; m++) {
+                const int32_t *xe = x.xe + 2 * ((int64_t)m * K + 32 * j);
+                __m512i a = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) a = _mm512_dpbusd_epi32(a, v[i], _mm512_loadu_si512(xe + 16 * i));
+                const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+                const __m256 sx = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[m * nb + j]));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8), sx, acc[m]);
+                accm[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[m * nb + j]), accm[m]);
+            }
+        }
+        const __m256 rs = fmt == W_I8X8 ? _mm256_loadu_ps((const float *)g) : _mm256_set1_ps(1.0f);
+        for (int m = 0; m < M; m++)
+            _mm256_storeu_ps(out + (int64_t)m * ldo + n, _mm256_mul_ps(_mm256_add_ps(acc[m], accm[m]), rs));
+    }
+    return n;
+}
+#else
+INLINE int x8w_takes(int fmt, int M) { (void)fmt, (void)M; return 0; }
+#endif
+
 /* output rows n0 .. n1 (groups of 8) of out = x . W^T, W interleaved; M a compile-time constant */
 INLINE void x8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_t row_bytes, float *out, int ldo,
                     int n0, int n1) {
     const int nb = K / 32, hdr = x8_header(fmt);
 #if defined(X16)
-    n0 = x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
+    n0 = x.xe ? x8w_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1) : x16_rows(fmt, M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm256_setzero_ps();
         for (int j = 0; j < nb; j++) {
             const uint8_t *b = x8_block(fmt, g, j, row_bytes, nb);
+            prefetch_span(b + PF_PAIRS * 8 * row_bytes, (int)(row_bytes / nb * 8));
             const __m256 dw = fmt == W_I8X8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mw = fmt == W_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
                               : x8_bytes8(fmt) && X8_SIGNED ? _mm256_setzero_ps()
@@ -871,7 +925,7 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int nb = K / 32;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = accm[m] = _mm512_setzero_ps();
@@ -879,6 +933,8 @@ INLINE int q4kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
             const uint8_t *b0 = g0 + (int64_t)sb * Q4KX8_BYTES, *b1 = g1 + (int64_t)sb * Q4KX8_BYTES;
             const __m512 dv = cat_f16(b0, b1), mv = cat_f16(b0 + 16, b1 + 16);
             for (int t = 0; t < 4; t++) {          /* a pair of sub-blocks: their 32 shared bytes a row loaded once */
+                prefetch_span(b0 + PF_PAIRS * 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
+                prefetch_span(b1 + PF_PAIRS * 16 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m512i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = cat256(b0 + 160 + 256 * t + 32 * p, b1 + 160 + 256 * t + 32 * p);
                 for (int half = 0; half < 2; half++) {
@@ -910,7 +966,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
     n0 = q4kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM], accm[MAXM];
 #pragma GCC unroll 8
@@ -920,6 +976,7 @@ INLINE void q4kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
             for (int t = 0; t < 4; t++) {
+                prefetch_span(b + PF_PAIRS * 8 * row_bytes + Q4KX8_BYTES / 4 * t, Q4KX8_BYTES / 4);
                 __m256i ch[8];
                 for (int p = 0; p < 8; p++) ch[p] = _mm256_loadu_si256((const __m256i *)(b + 160 + 256 * t + 32 * p));
                 for (int half = 0; half < 2; half++) {
@@ -999,8 +1056,9 @@ static void q6kx8_unpack_row(const uint8_t *w, int64_t rb, int64_t r, int K, uin
 }
 
 #if defined(X16)
-/* Q6_Kx8 two groups a zmm, as x16_rows: each lane does q6kx8_rows' operations in its order (the same bits);
- * taken for calls of 8 x rows (a one-row step measured 1.3x slower here, 32 rows 1.43x faster) */
+/* Q6_Kx8 two groups a zmm, as x16_rows: each lane does q6kx8_rows' operations in its order (the same bits).
+ * Taken for every call since the x inputs are broadcast from memory (1.1-1.2x on 1 to 4 x rows, Zen 4); a
+ * 6-bit weight is its nibble and its bit pair moved to bits 4-5, merged by one vpternlogd (bitwise select) */
 INLINE __m512 cat_i8ps(const uint8_t *a, const uint8_t *b) {   /* 8 + 8 signed bytes -> 16 float */
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
                                                                       _mm_loadl_epi64((const __m128i *)b))));
@@ -1012,7 +1070,7 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
     const int32_t *s16 = x.s16;
     int n = n0;
     for (; n + 16 <= n1; n += 16) {
-        const uint8_t *g0 = x16_pair(w, n, row_bytes), *g1 = g0 + 8 * row_bytes;
+        const uint8_t *g0 = w + (int64_t)n * row_bytes, *g1 = g0 + 8 * row_bytes;
         __m512 acc[MAXM];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
@@ -1024,12 +1082,16 @@ INLINE int q6kx16_rows(int M, q8rows x, int K, const uint8_t *w, int64_t row_byt
                 for (int p = 0; p < 8; p++) hb[p] = cat256(b0 + 1168 + 256 * h + 32 * p, b1 + 1168 + 256 * h + 32 * p);
                 for (int t = 0; t < 4; t++) {
                     const int j = 8 * sb + 4 * h + t, gi = 8 * h + 2 * t, lo_at = 144 + 256 * (2 * h + (t & 1));
+                    prefetch_span(b0 + PF_PAIRS * 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
+                    prefetch_span(b1 + PF_PAIRS * 16 * row_bytes + Q6KX8_BYTES / 8 * (4 * h + t), Q6KX8_BYTES / 8);
                     __m512i v[8];
                     for (int p = 0; p < 8; p++) {
-                        __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p);
-                        lo = _mm512_and_si512(_mm512_srli_epi16(lo, 4 * (t >> 1)), _mm512_set1_epi8(15));
-                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(hb[p], 2 * t), _mm512_set1_epi8(3));
-                        v[p] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                        __m512i lo = cat256(b0 + lo_at + 32 * p, b1 + lo_at + 32 * p), hi = hb[p];
+                        if (t >> 1) lo = _mm512_srli_epi16(lo, 4);
+                        if (t < 2) hi = _mm512_slli_epi16(hi, 4 - 2 * t);        /* bit pair t to bits 4-5 */
+                        else if (t == 3) hi = _mm512_srli_epi16(hi, 2);
+                        v[p] = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x30), hi, lo, 0xca);   /* m ? hi : lo */
+                        v[p] = _mm512_and_si512(v[p], _mm512_set1_epi8(63));
                     }
                     const __m512 sc0 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * gi, b1 + 16 + 8 * gi));
                     const __m512 sc1 = _mm512_mul_ps(dv, cat_i8ps(b0 + 16 + 8 * (gi + 1), b1 + 16 + 8 * (gi + 1)));
@@ -1058,11 +1120,10 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
     const int nb = K / 32, ng = K / 16;
     const int32_t *s16 = x.s16;
 #if defined(X16)
-    if (M == MAXM)          /* its unpacking per 16 rows costs more than the 8-row path saves below 8 x rows */
-        n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
+    n0 = q6kx16_rows(M, x, K, w, row_bytes, out, ldo, n0, n1);
 #endif
     for (int n = n0; n < n1; n += 8) {
-        const uint8_t *g = x8_group(w, n, row_bytes);
+        const uint8_t *g = w + (int64_t)n * row_bytes;
 #if defined(__AVX2__)
         __m256 acc[MAXM];
 #pragma GCC unroll 8
@@ -1075,6 +1136,7 @@ INLINE void q6kx8_rows(int fmt, int M, q8rows x, int K, const uint8_t *w, int64_
                 for (int p = 0; p < 8; p++) hb[p] = _mm256_loadu_si256((const __m256i *)(b + 1168 + 256 * h + 32 * p));
                 for (int t = 0; t < 4; t++) {
                     const int s = 4 * h + t, j = 8 * sb + s, g0 = 8 * h + 2 * t;
+                    prefetch_span(b + PF_PAIRS * 8 * row_bytes + Q6KX8_BYTES / 8 * s, Q6KX8_BYTES / 8);
                     const uint8_t *lb = b + 144 + 256 * (2 * h + (t & 1));
                     __m256i v[8];
                     for (int p = 0; p < 8; p++) {
@@ -1167,18 +1229,27 @@ void qmatmul_q8(const float *x, int M, int ldx, int K, const uint8_t *w, int fmt
             s16[i] = 32 * sum;
         }
     }
+    int32_t *xe = NULL;
+    if (x8w_takes(fmt, M)) {                   /* x widened 8x for x8w_rows, once per call */
+        xe = malloc(sizeof(int32_t) * 2 * (size_t)M * K);
+        if (!xe) { free(q); free(s16); return; }
+#if defined(X16)
+        x8w_expand(q, (int64_t)M * K, xe);
+#endif
+    }
     q8_fn f = Q8[fmt];
 #pragma omp parallel for num_threads(THREADS) schedule(static)
     for (int it = 0; it < items; it++) {
         int n0 = it * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int m0 = 0; m0 < M; m0 += MAXM) {
             q8rows xr = {q + (int64_t)m0 * K, d + (int64_t)m0 * nb, ds + (int64_t)m0 * nb,
-                         s16 ? s16 + (int64_t)m0 * (K / 16) : NULL};
+                         s16 ? s16 + (int64_t)m0 * (K / 16) : NULL, xe ? xe + 2 * (int64_t)m0 * K : NULL};
             f(M - m0 < MAXM ? M - m0 : MAXM, xr, K, w, row_bytes, out + (int64_t)m0 * ldo, ldo, n0, n1);
         }
     }
     free(q);
     free(s16);
+    free(xe);
 }
 
 /* n rows (rows[i], or 0..n-1 when rows is NULL) of W as float32 or bfloat16, n x K, contiguous; an
