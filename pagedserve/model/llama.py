@@ -380,17 +380,17 @@ class LlamaForCausalLM(nn.Module):
         weight without a dense copy takes every step's rows up to quant.uncopied_rows, prompt rows too."""
         layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, Packed)]
         rows, head_rows, why = packed_rows(int8_act, forced)
-        bare = max(rows, uncopied_rows(int8_act, forced))      # a weight without a dense copy: prompt rows too
+        bare = uncopied_rows(int8_act, forced)      # a weight without a dense copy, prompt rows too (None: as m)
         lines = []
         for name, ws, m in (("layers", layer_ws, rows), ("LM head", [head] if isinstance(head, Packed) else [], head_rows)):
             for w in ws:
-                w.int8_act, w.small_m = int8_act, m if w.dense is not None else max(m, bare)
+                w.int8_act, w.small_m = int8_act, m if w.dense is not None or bare is None else max(m, bare)
                 if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
                     w.interleave()
             if ws:
-                bare_ws = sum(w.dense is None for w in ws)
-                lines.append(f"{name} up to {m} decode rows" + (f" ({bare} rows, prompt rows too, for the {bare_ws} "
-                                                                 "without a dense copy)" if bare_ws else ""))
+                n = 0 if bare is None else sum(w.dense is None for w in ws)
+                lines.append(f"{name} up to {m} decode rows"
+                             + (f" ({max(m, bare)} rows, prompt rows too, for the {n} without a dense copy)" if n else ""))
         kernel = f"qmatmul_q8 ({kernels.load(source='qmatmul').qmatmul_q8_isa().decode()})" if int8_act else "qmatmul"
         has = {w.dense is not None for w in layer_ws + [head] if isinstance(w, Packed)}
         more = (["prompt steps and more rows: the dense copies"] if True in has else []) + \

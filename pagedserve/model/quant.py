@@ -485,17 +485,17 @@ PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with pa
 # so there it takes them all; the other kinds keep their table's crossover doubled (not measured without copies).
 UNCOPIED_ROWS = {("vnni512", True): 64, ("vnni512", False): 256, ("avxvnni", False): 128, ("avx2", False): 128}
 UNCOPIED_ROWS_OTHER = 16
-UNCOPIED_ROWS_FLOAT = 32
 
 
-def uncopied_rows(int8_act: bool, forced: int | None = None) -> int:
+def uncopied_rows(int8_act: bool, forced: int | None = None) -> int | None:
     """Rows up to which a packed weight without a dense copy takes its products packed (UNCOPIED_ROWS by this
-    host's kind; `forced`: --packed-rows / PAGEDSERVE_PACKED_ROWS pin it as they pin packed_rows)."""
+    host's kind; `forced`: --packed-rows / PAGEDSERVE_PACKED_ROWS pin it as they pin packed_rows). None for
+    float activations (--dtype float32 with packed weights): packed_rows' own rows, as before."""
     rows, _, why = packed_rows(int8_act, forced)
     if why.startswith("pinned"):
         return rows
     if not int8_act:
-        return UNCOPIED_ROWS_FLOAT
+        return None
     from pagedserve.host import cpu_info
     return UNCOPIED_ROWS.get((_lib().qmatmul_q8_isa().decode(), "amx_bf16" in cpu_info()[1]), UNCOPIED_ROWS_OTHER)
 
