@@ -23,7 +23,7 @@ import torch
 from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
-from pagedserve.host import cache_root
+from pagedserve.host import cache_root, release_free_heap
 from pagedserve.model.config import ModelConfig
 from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
@@ -208,6 +208,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
         model.vision = None if vision is None else _build_vision(cfg, vision, dtype, device)
+    del weights, vision         # the file's tensors (fused ones were copied): not held through the rest of the load
+    release_free_heap()
     ws = packed_weights(model)
     copied, line = dense_copy_plan(model, dtype) if dense_copy else ([], None)
     copies = [any(w is c for c in copied) for w in ws]
@@ -219,6 +221,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                 what = [w for w, on in (("interleaved", int8_act), ("dense copies", copied)) if on] or ["as built"]
                 log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
                 key, copied = None, []       # there already: nothing to compute or write
+                release_free_heap()          # the weights built from the file, replaced by the entry's
     if copied:
         with startup.phase("dense copies"):
             make_dense_copies(copied, dtype)
@@ -232,6 +235,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     if key is not None:
         with startup.phase("packed cache write"):
             packed_cache.save(key, ws)
+    release_free_heap()         # the read's transients, freed but resident between live blocks
     return model, cfg
 
 
