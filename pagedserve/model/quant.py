@@ -51,6 +51,11 @@ GROUPED = frozenset(INTERLEAVED.values()) | {"Q5_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
+# A matrix of up to this many weights is dequantized whole into one reused buffer and multiplied by the GEMM a
+# dense copy takes (pagedserve.model.gemm): tiles of TILE_WEIGHTS cost 2-5x that (per-tile F.linear and strided
+# writes; a Qwen2.5-1.5B Q4_K gate_up at 256 rows: 805 ms tiles, 165 + 80 ms GEMM + dequantization, AMD).
+# 64M weights: a 128 MiB buffer in bf16 at most; larger matrices (a 150k-vocabulary LM head) go by tiles.
+WHOLE_WEIGHTS = 1 << 26
 
 
 class Packed:
@@ -171,6 +176,10 @@ class PackedWeight(Packed):
         rows = min(N, max(16, TILE_WEIGHTS // self.K) // 8 * 8)     # whole groups of 8 (interleaved)
         if x.dtype not in (torch.float32, torch.bfloat16):        # the kernel writes only those two
             return gemm(x, self.dequantize(x.dtype), bias)
+        if N * self.K <= WHOLE_WEIGHTS:       # the whole matrix into one reused buffer, then the copy's own GEMM
+            scratch = _scratch(x.dtype, N * self.K).view(N, self.K)
+            self._dequant_into(scratch)
+            return gemm(x, scratch, bias)
         m, x = x.shape[0], padded(x)
         scratch = _scratch(x.dtype, rows * self.K)
         if rows == N:
@@ -479,11 +488,13 @@ PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with pa
 
 
 # Rows up to which the packed kernels take the products of a weight WITHOUT a dense copy (dense_copy_plan), prompt
-# steps too: above them its product dequantizes tiles into a reused buffer and runs the bf16 GEMM, which costs the
-# copy's GEMM plus one dequantization of the whole matrix per call — paid back only over many rows. On AMD Zen 4
-# the packed kernel is level with the dense copy's GEMM to ~256 rows (the comment above, BENCHMARKS.md stop 49),
-# so there it takes them all; the other kinds keep their table's crossover doubled (not measured without copies).
-UNCOPIED_ROWS = {("vnni512", True): 64, ("vnni512", False): 256, ("avxvnni", False): 128, ("avx2", False): 128}
+# steps too: above them its product dequantizes the matrix into a reused buffer (WHOLE_WEIGHTS) and runs the GEMM a
+# copy would, which costs the copy's GEMM plus one dequantization per call. Measured on AMD Zen 4 (2026-12-06, load
+# ~6, ms per product at 256 rows, packed / dequantize + GEMM / the dense copy's GEMM): Qwen2.5-1.5B's Q4_K gate_up
+# 252 / 191 / 199, Q6_K down 147 / 122 / 90, the 0.5B's Q8_0 gate_up 69 / 53 / 48: packed loses by 256 rows on the
+# K-quants, so the dense side takes over where it does with a copy (PACKED_ROWS); the head's row count is the
+# layers' (its copy's 16 rows were a crossover against a copy, not against a dequantization of the whole head).
+UNCOPIED_ROWS = {("vnni512", True): 32, ("vnni512", False): 128, ("avxvnni", False): 64, ("avx2", False): 64}
 UNCOPIED_ROWS_OTHER = 16
 
 

@@ -101,11 +101,15 @@ def _packed(qtype: str, n: int, k: int, seed: int) -> PackedWeight:
     return PackedWeight("Q8_0", as_q8_0(qtype, raw, k), k) if qtype in AS_Q8_0 else PackedWeight(qtype, raw, k)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "tiles"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["file-layout", "interleaved"])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_weight_without_a_copy_is_the_dequantized_product_at_every_row_count(monkeypatch, qtype, interleaved):
-    """Above small_m: dequantized tiles (several per matrix here, the last one short) and the GEMM, equal to the
-    dequantized matrix's product (float32 x); up to small_m, prompt rows too: the packed kernel on int8-rounded x."""
+def test_a_weight_without_a_copy_is_the_dequantized_product_at_every_row_count(monkeypatch, qtype, interleaved, whole):
+    """Above small_m: the matrix dequantized whole into a reused buffer, or (above WHOLE_WEIGHTS) by tiles (several
+    here, the last one short), and the GEMM, equal to the dequantized matrix's product (float32 x); up to small_m,
+    prompt rows too: the packed kernel on int8-rounded x."""
+    if not whole:
+        monkeypatch.setattr(quant, "WHOLE_WEIGHTS", 0)
     w = _packed(qtype, 72, 512, 1)
     ref_w = w.dequantize(torch.float32)
     w.int8_act, w.small_m = True, 8
