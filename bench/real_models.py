@@ -6,9 +6,15 @@ peak RSS its own), then llama-server (`../shared/bench/llama_server_client.py`, 
 `--cache-ram 0`, 1 slot for short8, 16 for mixed64) on the same requests; token counts are checked on
 both sides. Prints a table of ratios and writes the rows as JSON lines.
 
+Memory at equal token capacity: our KV pool gets the tokens llama-server's `-c` gives (4,096 for short8, 20,480
+for mixed64: `--num-kv-blocks` = that / block size) unless --num-kv-blocks says otherwise (0: the engine's own
+sizing). Each side's peak RSS is its process's high-water mark (ru_maxrss; llama-server's from its client); ours
+is also given by phase: the RSS after each start-up phase (model read, dense copies, ...), the high-water mark
+of the load, and the RSS after the load, after the warm-up request and after the workload.
+
 Usage: python bench/real_models.py build/models/qwen2.5-coder-0.5b-q4_k_m.gguf [...more files]
            [--llama-server build/llama/bin/llama-server] [--workloads short8,mixed64] [--out FILE.jsonl]
-           [--num-kv-blocks N]   (ours at a given pool; default: the engine's own sizing)
+           [--num-kv-blocks N]   (ours at a given pool; default: llama-server's -c in blocks; 0: ours)
            [--claims]            (write the rows into BENCHMARKS.md's first table: bench/claims.py)
 (the files: ../shared/bench/real_models.sh build/models; llama-server: ../shared/bench/build_llama_server.sh)
 """
@@ -24,6 +30,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
 sys.path.insert(0, HERE)
+LLAMA_CTX = {"short8": 4096, "mixed64": 20480}     # llama-server's -c per workload (run_llama): the token capacity
+LLAMA_SLOTS = {"short8": 1, "mixed64": 16}
+
+
+def rss_now_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_ours(model: str, workload: str, num_kv_blocks: int | None, flags: dict | None = None) -> dict:
@@ -32,11 +49,13 @@ def run_ours(model: str, workload: str, num_kv_blocks: int | None, flags: dict |
     import workload as wl
     reqs = wl.make(workload)
     t0 = time.perf_counter()
-    llm = LLM(model, **({} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}), **(flags or {}))
+    llm = LLM(model, **({} if not num_kv_blocks else {"num_kv_blocks": num_kv_blocks}), **(flags or {}))
     load_s = time.perf_counter() - t0
-    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     eng = llm.engine
+    rss = {f"after {p['phase']}": p["rss_mb"] for p in eng.startup.as_dict()["phases"]}
+    rss |= {"load high-water": peak_rss_mb(), "after load": rss_now_mb()}
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    rss["after warm-up"] = rss_now_mb()
     sp = lambda r: SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)   # noqa: E731
     t = time.perf_counter()
     got = {}
@@ -51,12 +70,15 @@ def run_ours(model: str, workload: str, num_kv_blocks: int | None, flags: dict |
             for o in eng.step():
                 got[o.request_id] = len(o.outputs[0].token_ids)
     wall = time.perf_counter() - t
+    rss["after workload"] = rss_now_mb()
     out_tokens = sum(r["max_tokens"] for r in reqs)
     return {"engine": f"pagedserve {json.dumps(flags) if flags else '(default flags)'}", "model": os.path.basename(model), "workload": workload,
             "weights": eng.model.weights_desc, "kv_blocks": eng.kv.pool.num_usable_blocks,
+            "kv_tokens": eng.kv.pool.num_usable_blocks * eng.args.block_size,
             "token_counts_ok": all(got.get(r["id"]) == r["max_tokens"] for r in reqs),
             "load_s": round(load_s, 2), "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 2),
-            "rss_after_load_mb": round(rss_load), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+            "rss_after_load_mb": round(rss["after load"]), "peak_rss_mb": round(peak_rss_mb()),
+            "rss_by_phase_mb": {k: round(v) for k, v in rss.items()}}
 
 
 def child(args: list[str], env: dict | None = None) -> dict:
@@ -75,8 +97,8 @@ def run_llama(server: str, model: str, workload: str) -> dict:
             for r in wl.make(workload):
                 f.write(json.dumps(r) + "\n")
         seq = workload == "short8"
-        args = [os.path.join(SHARED, "llama_server_client.py"), model, path, "--np", "1" if seq else "16",
-                "--ctx", "4096" if seq else "20480", "--extra=--cache-ram 0", "--log", os.path.join(d, "llama.log")]
+        args = [os.path.join(SHARED, "llama_server_client.py"), model, path, "--np", str(LLAMA_SLOTS[workload]),
+                "--ctx", str(LLAMA_CTX[workload]), "--extra=--cache-ram 0", "--log", os.path.join(d, "llama.log")]
         res = child(args + (["--sequential"] if seq else []), dict(os.environ, LLAMA_SERVER=server))
     return res
 
@@ -100,8 +122,8 @@ def main() -> None:
     rows = []
     for model in a.models:
         for w in a.workloads.split(","):
-            extra = ([] if a.num_kv_blocks is None else ["--num-kv-blocks", str(a.num_kv_blocks)]) + \
-                ([] if a.flags is None else ["--flags", a.flags])
+            blocks = LLAMA_CTX[w] // 16 if a.num_kv_blocks is None else a.num_kv_blocks   # 16: the block size
+            extra = ["--num-kv-blocks", str(blocks)] + ([] if a.flags is None else ["--flags", a.flags])
             ours = child([os.path.abspath(__file__), model, "--side", w, *extra])
             llama = run_llama(a.llama_server, model, w) if os.path.exists(a.llama_server) and not a.no_llama else None
             rows += [ours] + ([llama] if llama else [])
@@ -110,11 +132,14 @@ def main() -> None:
                   f"(peak RSS {ours['peak_rss_mb']} MB, ok {ours['token_counts_ok']}) | llama-server "
                   f"{llama['output_tok_s'] if llama else '-':>8} tok/s (peak RSS {llama['peak_rss_mb'] if llama else '-'} MB, "
                   f"ok {llama['token_counts_ok'] if llama else '-'}) | {ratio}", flush=True)
-    print("\n| model | workload | pagedserve tok/s | llama-server tok/s | ratio | peak RSS ours / llama (MB) |")
-    print("|---|---|---|---|---|---|")
+            print("    ours, RSS MB by phase (at " + f"{ours['kv_tokens']} KV tokens): "
+                  + ", ".join(f"{k} {v}" for k, v in ours["rss_by_phase_mb"].items()), flush=True)
+    print("\n| model | workload | pagedserve tok/s | llama-server tok/s | ratio | peak RSS ours / llama (MB) | RSS ratio |")
+    print("|---|---|---|---|---|---|---|")
     for ours, llama in zip(rows[::2], rows[1::2]) if not a.no_llama else ():
         print(f"| {ours['model']} | {ours['workload']} | {ours['output_tok_s']} | {llama['output_tok_s']} | "
-              f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x | {ours['peak_rss_mb']} / {llama['peak_rss_mb']} |")
+              f"{ours['output_tok_s'] / llama['output_tok_s']:.2f}x | {ours['peak_rss_mb']} / {llama['peak_rss_mb']} | "
+              f"{ours['peak_rss_mb'] / llama['peak_rss_mb']:.2f}x |")
     if a.claims and not a.no_llama:
         record_claims(rows, " ".join(["python", "bench/real_models.py", *sys.argv[1:]]))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
@@ -136,11 +161,11 @@ def record_claims(rows: list[dict], command: str) -> None:
                       reference=f"llama-server {llama['output_tok_s']} tok/s (`--cache-ram 0`, same file)",
                       ratio=f"**{ours['output_tok_s'] / llama['output_tok_s']:.2f}x**")
         if ours["workload"] == "mixed64":
-            rss.append((ours["model"], ours["peak_rss_mb"], llama["peak_rss_mb"], ours["kv_blocks"]))
+            rss.append((ours["model"], ours["peak_rss_mb"], llama["peak_rss_mb"], ours["kv_tokens"]))
     if rss:
         claims.update("real:peak-rss", benchmarks=None, command="same",
-                      claim="Peak RSS, real files, mixed64 (" + " / ".join(m for m, *_ in rss) + ")",
-                      ours=" / ".join(f"{o:,} MB ({b:,} KV blocks)" for _, o, _, b in rss),
+                      claim="Peak RSS at equal token capacity, real files, mixed64 (" + " / ".join(m for m, *_ in rss) + ")",
+                      ours=" / ".join(f"{o:,} MB ({t:,} KV tokens)" for _, o, _, t in rss),
                       reference="llama-server " + " / ".join(f"{l:,} MB" for _, _, l, _ in rss),
                       ratio=" / ".join(f"**{o / l:.2f}x**" for _, o, l, _ in rss) + " (aim 1.3x)")
     claims.write_table(claims.load())

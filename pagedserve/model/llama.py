@@ -27,7 +27,7 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import gemm, padded, pads_rows, warm
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, packed_rows
+from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, packed_rows, uncopied_rows
 from pagedserve.model.rope import rope_tables
 
 
@@ -376,22 +376,26 @@ class LlamaForCausalLM(nn.Module):
 
     def _set_packed_rows(self, head, int8_act: bool, forced: int | None = None) -> str:
         """Packed weights: their activations (int8-rounded or float), the 8-row interleave for int8, and the
-        decode rows up to which qmatmul takes them (quant.packed_rows: the host kind's table, or pinned)."""
+        decode rows up to which qmatmul takes them (quant.packed_rows: the host kind's table, or pinned); a
+        weight without a dense copy takes every step's rows up to quant.uncopied_rows, prompt rows too."""
         layer_ws = [m.weight for layer in self.layers for m in layer.products() if isinstance(m.weight, Packed)]
         rows, head_rows, why = packed_rows(int8_act, forced)
+        bare = uncopied_rows(int8_act, forced)      # a weight without a dense copy, prompt rows too (None: as m)
         lines = []
         for name, ws, m in (("layers", layer_ws, rows), ("LM head", [head] if isinstance(head, Packed) else [], head_rows)):
             for w in ws:
-                w.int8_act, w.small_m = int8_act, m
+                w.int8_act, w.small_m = int8_act, m if w.dense is not None or bare is None else max(m, bare)
                 if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
                     w.interleave()
             if ws:
-                lines.append(f"{name} up to {m} decode rows")
+                n = 0 if bare is None else sum(w.dense is None for w in ws)
+                lines.append(f"{name} up to {m} decode rows"
+                             + (f" ({max(m, bare)} rows, prompt rows too, for the {n} without a dense copy)" if n else ""))
         kernel = f"qmatmul_q8 ({kernels.load(source='qmatmul').qmatmul_q8_isa().decode()})" if int8_act else "qmatmul"
-        copies = any(w.dense is not None for w in layer_ws + [head] if isinstance(w, Packed))
-        return (f"packed kernels: {kernel} for {', '.join(lines)} ({why}); "
-                f"{'prompt steps and ' if copies else ''}more rows: "
-                f"{'the dense copies' if copies else 'dequantized tiles'}")
+        has = {w.dense is not None for w in layer_ws + [head] if isinstance(w, Packed)}
+        more = (["prompt steps and more rows: the dense copies"] if True in has else []) + \
+            (["more rows: dequantized tiles"] if False in has else [])
+        return f"packed kernels: {kernel} for {', '.join(lines)} ({why}); " + "; ".join(more)
 
 
 class FusedDecode:

@@ -23,14 +23,14 @@ import torch
 from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
-from pagedserve.host import cache_root
+from pagedserve.host import cache_root, release_free_heap
 from pagedserve.model.config import ModelConfig
 from pagedserve.model import hub, packed_cache
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import VISION_MODEL_TYPES, UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, as_q8_0, dense_copies_fit, describe, make_dense_copies, packed_weights,
+                                    PackedWeight, as_q8_0, dense_copy_plan, describe, make_dense_copies, packed_weights,
                                     quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
@@ -208,19 +208,23 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
         model.vision = None if vision is None else _build_vision(cfg, vision, dtype, device)
+    del weights, vision         # the file's tensors (fused ones were copied): not held through the rest of the load
+    release_free_heap()
     ws = packed_weights(model)
-    fit, line = dense_copies_fit(ws, dtype) if dense_copy else (False, None)
+    copied, line = dense_copy_plan(model, dtype) if dense_copy else ([], None)
+    copies = [any(w is c for c in copied) for w in ws]
     key = None              # the packed-weight cache's key where this load is cached (packed_cache.py)
     if ws and src.kind == "gguf" and device == "cpu" and (tp is None or tp.size == 1):
         with startup.phase("packed cache read"):
-            key = packed_cache.entry_key(src.path, ws, dtype, int8_act, fit)
-            if packed_cache.restore(key, ws, dtype, fit):
-                what = [w for w, on in (("interleaved", int8_act), ("dense copies", fit)) if on] or ["as built"]
+            key = packed_cache.entry_key(src.path, ws, dtype, int8_act, copies)
+            if packed_cache.restore(key, ws, dtype, copies):
+                what = [w for w, on in (("interleaved", int8_act), ("dense copies", copied)) if on] or ["as built"]
                 log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
-                key, fit = None, False       # there already: nothing to compute or write
-    if fit:
+                key, copied = None, []       # there already: nothing to compute or write
+                release_free_heap()          # the weights built from the file, replaced by the entry's
+    if copied:
         with startup.phase("dense copies"):
-            make_dense_copies(ws, dtype)
+            make_dense_copies(copied, dtype)
     if line:
         log.info("%s", line)
     model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
@@ -231,6 +235,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     if key is not None:
         with startup.phase("packed cache write"):
             packed_cache.save(key, ws)
+    release_free_heap()         # the read's transients, freed but resident between live blocks
     return model, cfg
 
 

@@ -12,7 +12,7 @@ An entry is keyed by everything it depends on (`entry_key`):
           hash of the whole file (reading 100 MB-10 GB each start would cost what the cache saves), so
           a rewrite that keeps size, mtime and those spans is not seen
   host    the CPU's flags
-  load    compute dtype, int8 activations, dense copies or not, and each packed weight's format and shape
+  load    compute dtype, int8 activations, which weights have dense copies, and each packed weight's format and shape
 The file name is a digest of the key; the key itself is stored in the file and compared whole on read.
 An entry that does not match (another version, a changed file, a truncated or garbled file, a tensor of
 the wrong shape) is ignored and rebuilt, never trusted; a folder that cannot be written (read-only,
@@ -68,11 +68,13 @@ def _leaves(weights: list[Packed]) -> list[PackedWeight]:
     return [p for w in weights for p in (w.parts if hasattr(w, "parts") else [w])]
 
 
-def entry_key(model_path: str, weights: list[Packed], dtype: torch.dtype, int8_act: bool, dense: bool) -> str:
-    """The whole key, as the JSON text stored in the entry."""
+def entry_key(model_path: str, weights: list[Packed], dtype: torch.dtype, int8_act: bool,
+              copies: list[bool]) -> str:
+    """The whole key, as the JSON text stored in the entry (copies: which weights have a dense copy)."""
     return json.dumps({"engine": engine_version(), "model": model_file_hash(model_path),
                        "host": " ".join(sorted(cpu_info()[1])), "dtype": str(dtype), "int8_act": int8_act,
-                       "dense": dense, "interleave": os.environ.get("PAGEDSERVE_INTERLEAVE") != "0",
+                       "dense": [j for j, on in enumerate(copies) if on],
+                       "interleave": os.environ.get("PAGEDSERVE_INTERLEAVE") != "0",
                        "weights": [[p.fmt, p.K, p.data.shape[0]] for p in _leaves(weights)]}, sort_keys=True)
 
 
@@ -80,21 +82,21 @@ def entry_path(key: str) -> str:
     return os.path.join(cache_root(), "packed", hashlib.sha256(key.encode()).hexdigest()[:24] + ".safetensors")
 
 
-def restore(key: str, weights: list[Packed], dtype: torch.dtype, dense: bool) -> bool:
-    """Put the entry's bytes into `weights` (each leaf's format and data, each weight's dense copy) if
-    there is a valid one; False (nothing changed) otherwise."""
+def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bool]) -> bool:
+    """Put the entry's bytes into `weights` (each leaf's format and data, the dense copy of each weight whose
+    `copies` entry is true) if there is a valid one; False (nothing changed) otherwise."""
     path = entry_path(key)
     if not os.path.isfile(path):
         return False
     try:
         tensors, fmts = _read(path, key)
         leaves = _leaves(weights)
-        if len(fmts) != len(leaves) or len(tensors) != len(leaves) + (len(weights) if dense else 0):
+        if len(fmts) != len(leaves) or len(tensors) != len(leaves) + sum(copies):
             raise ValueError(f"{len(tensors)} tensors for {len(leaves)} packed weights")
         for i, (p, fmt) in enumerate(zip(leaves, fmts)):
             _check_data(tensors[f"data.{i}"], fmt, p)
-        if dense:
-            for j, w in enumerate(weights):
+        for j, w in enumerate(weights):
+            if copies[j]:
                 d = tensors[f"dense.{j}"]
                 if d.dtype != dtype or tuple(d.shape) != tuple(w.shape):
                     raise ValueError(f"dense.{j}: {d.dtype} {tuple(d.shape)}, not {dtype} {tuple(w.shape)}")
@@ -103,8 +105,8 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, dense: bool) ->
         return False
     for i, (p, fmt) in enumerate(zip(leaves, fmts)):
         p.data, p.fmt = tensors[f"data.{i}"], fmt
-    if dense:
-        for j, w in enumerate(weights):
+    for j, w in enumerate(weights):
+        if copies[j]:
             w.dense = tensors[f"dense.{j}"]
     return True
 

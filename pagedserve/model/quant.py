@@ -9,10 +9,12 @@ Q4_1 is ~5 bits a weight against 32); steps of more decode rows than the host ki
 and torch's GEMM (AMX / AVX512-BF16 where present).
 
 `--quantization auto` (the default) keeps a GGUF file's blocks packed for the few-row products, beside
-a dense copy in the compute dtype for the many-row ones (`PackedWeight.dense`, where it fits in memory;
-`choose_quantization` says when and why): prompts always through the copy, generated tokens packed up
-to the host kind's row count — a function of the step, never of a timing, so every start answers alike. `--quantization gguf` keeps only the blocks (1/5 of the memory; many-row products
-dequantize a tile at a time).
+a dense copy in the compute dtype for the many-row ones where `dense_copy_plan`'s fixed rule gives one (a
+small model's products: DENSE_COPY_MODEL_BYTES; `PackedWeight.dense`): prompts through the copy, generated
+tokens packed up to the host kind's row count. A weight without a copy takes steps of up to `uncopied_rows`
+rows packed, prompt rows too, and dequantized tiles above. All a function of the step and the file, never
+of a timing, so every start answers alike. `--quantization gguf` keeps only the blocks (1/5 of the memory;
+many-row products dequantize a tile at a time).
 
 Few-row products round the activations to int8 per 32 values (GGUF's Q8 blocks, as llama.cpp does)
 and multiply in integers (`qmatmul_q8`: VNNI's vpdpbusd, AVX2's vpmaddubsw) unless `--dtype float32`
@@ -49,6 +51,11 @@ GROUPED = frozenset(INTERLEAVED.values()) | {"Q5_0x8"}
 QUANTIZATIONS = ("none", "int8", "gguf")          # what the loader builds; "auto" resolves to one of them
 DENSE_COPY_SHARE = 0.5    # auto: the dense copy is kept only when it takes at most this share of free memory
 TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 MiB in bf16)
+# A matrix of up to this many weights is dequantized whole into one reused buffer and multiplied by the GEMM a
+# dense copy takes (pagedserve.model.gemm): tiles of TILE_WEIGHTS cost 2-5x that (per-tile F.linear and strided
+# writes; a Qwen2.5-1.5B Q4_K gate_up at 256 rows: 805 ms tiles, 165 + 80 ms GEMM + dequantization, AMD).
+# 64M weights: a 128 MiB buffer in bf16 at most; larger matrices (a 150k-vocabulary LM head) go by tiles.
+WHOLE_WEIGHTS = 1 << 26
 
 
 class Packed:
@@ -169,6 +176,10 @@ class PackedWeight(Packed):
         rows = min(N, max(16, TILE_WEIGHTS // self.K) // 8 * 8)     # whole groups of 8 (interleaved)
         if x.dtype not in (torch.float32, torch.bfloat16):        # the kernel writes only those two
             return gemm(x, self.dequantize(x.dtype), bias)
+        if N * self.K <= WHOLE_WEIGHTS:       # the whole matrix into one reused buffer, then the copy's own GEMM
+            scratch = _scratch(x.dtype, N * self.K).view(N, self.K)
+            self._dequant_into(scratch)
+            return gemm(x, scratch, bias)
         m, x = x.shape[0], padded(x)
         scratch = _scratch(x.dtype, rows * self.K)
         if rows == N:
@@ -395,7 +406,8 @@ def choose_quantization(asked: str, source_kind: str, dtype_asked: str, device: 
         return "none", False, "auto: dense for --dtype float32 (the exact path: HF's arithmetic, batch-invariant)"
     if kernels.load(source="qmatmul") is None:
         return "none", False, "auto: dense (the native qmatmul kernels could not be built)"
-    return "gguf", True, "auto: the GGUF file's blocks packed for few-row products, a dense copy for many-row ones"
+    return "gguf", True, ("auto: the GGUF file's blocks packed for few-row products, dense copies for many-row ones "
+                          "where dense_copy_plan gives them")
 
 
 def int8_activations(dtype_asked: str, quantization: str) -> tuple[bool, str]:
@@ -475,6 +487,30 @@ PACKED_ROWS_OTHER = (8, 1)          # scalar kernels, or an ISA not in the table
 PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with packed weights): FMA kernels
 
 
+# Rows up to which the packed kernels take the products of a weight WITHOUT a dense copy (dense_copy_plan), prompt
+# steps too: above them its product dequantizes the matrix into a reused buffer (WHOLE_WEIGHTS) and runs the GEMM a
+# copy would, which costs the copy's GEMM plus one dequantization per call. Measured on AMD Zen 4 (2026-12-06, load
+# ~6, ms per product at 256 rows, packed / dequantize + GEMM / the dense copy's GEMM): Qwen2.5-1.5B's Q4_K gate_up
+# 252 / 191 / 199, Q6_K down 147 / 122 / 90, the 0.5B's Q8_0 gate_up 69 / 53 / 48: packed loses by 256 rows on the
+# K-quants, so the dense side takes over where it does with a copy (PACKED_ROWS); the head's row count is the
+# layers' (its copy's 16 rows were a crossover against a copy, not against a dequantization of the whole head).
+UNCOPIED_ROWS = {("vnni512", True): 32, ("vnni512", False): 128, ("avxvnni", False): 64, ("avx2", False): 64}
+UNCOPIED_ROWS_OTHER = 16
+
+
+def uncopied_rows(int8_act: bool, forced: int | None = None) -> int | None:
+    """Rows up to which a packed weight without a dense copy takes its products packed (UNCOPIED_ROWS by this
+    host's kind; `forced`: --packed-rows / PAGEDSERVE_PACKED_ROWS pin it as they pin packed_rows). None for
+    float activations (--dtype float32 with packed weights): packed_rows' own rows, as before."""
+    rows, _, why = packed_rows(int8_act, forced)
+    if why.startswith("pinned"):
+        return rows
+    if not int8_act:
+        return None
+    from pagedserve.host import cpu_info
+    return UNCOPIED_ROWS.get((_lib().qmatmul_q8_isa().decode(), "amx_bf16" in cpu_info()[1]), UNCOPIED_ROWS_OTHER)
+
+
 def packed_rows(int8_act: bool, forced: int | None = None) -> tuple[int, int, str]:
     """(layers' rows, LM head's rows, why): how many decode rows of a step the packed kernels take, from
     PACKED_ROWS by this host's kind; `forced` (--packed-rows / PAGEDSERVE_PACKED_ROWS) for both instead.
@@ -534,13 +570,10 @@ def packed_weights(model: nn.Module) -> list[Packed]:
 
 
 def add_dense_copies(model: nn.Module, dtype: torch.dtype, free_bytes: int | None = None) -> str:
-    """Give every packed weight a dense copy in `dtype` for its many-row products, when all of them
-    take at most DENSE_COPY_SHARE of the free memory; without them many-row products dequantize a
-    tile at a time (slower: measured in BENCHMARKS.md). Returns the line logged at load."""
-    ws = packed_weights(model)
-    fit, line = dense_copies_fit(ws, dtype, free_bytes)
-    if fit:
-        make_dense_copies(ws, dtype)
+    """Give the packed weights dense_copy_plan picks a dense copy in `dtype` for their many-row products;
+    the others multiply packed up to uncopied_rows and dequantize tiles above. Returns the line logged."""
+    copied, line = dense_copy_plan(model, dtype, free_bytes)
+    make_dense_copies(copied, dtype)
     return line
 
 
@@ -549,17 +582,45 @@ def make_dense_copies(ws: list[Packed], dtype: torch.dtype) -> None:
         w.dense = w.dequantize(dtype)
 
 
-def dense_copies_fit(ws: list[Packed], dtype: torch.dtype, free_bytes: int | None = None) -> tuple[bool, str]:
-    """Whether the packed weights `ws` get dense copies (add_dense_copies' rule), and the line logged."""
+# Dense copies by the model's size: a model whose products' copies take at most this many bytes in the compute
+# dtype gets one for every product's weight; a larger model gets none. Measured (AMD Zen 4, mixed64, alternating,
+# docs/benchmarks-history.md stop 50): SmolLM2-135M (Q4_1, 576 wide; copies 257 MiB) ran 309.1 / 324.5 tok/s with
+# copies against 228.0 / 247.6 without (-25 %), while Qwen2.5-Coder-0.5B (Q4_K_M, 896 wide; products' copies
+# 0.9 GiB) ran 131.4 with and 137.4 without (no loss) at 1.86 GB peak RSS instead of 3.0 GB. A small model's matrices are
+# small: its many-row steps are short and the per-call costs a copy saves weigh most, at the least memory. Fixed,
+# not timed: the same file gives the same arithmetic on every start.
+DENSE_COPY_MODEL_BYTES = 512 * 2**20
+
+
+def dense_copy_plan(model: nn.Module, dtype: torch.dtype, free_bytes: int | None = None,
+                    limit_bytes: int | None = None) -> tuple[list[Packed], str]:
+    """Which packed weights get a dense copy (--quantization auto), and the line logged: the weights of the
+    model's products (the layers' and the LM head, a tied embedding's included) when their copies take at most
+    DENSE_COPY_MODEL_BYTES (or `limit_bytes`) and DENSE_COPY_SHARE of the free memory; an untied embedding
+    never (its lookups dequantize only the rows asked for)."""
+    ws = packed_weights(model)
     if not ws:
-        return False, "dense copies: none needed (no packed weights)"
-    need = sum(w.shape[0] * w.K for w in ws) * dtype.itemsize
+        return [], "dense copies: none needed (no packed weights)"
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, PackedEmbedding)}
+    lookups -= {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear)}
+    lookups -= {id(getattr(model, "head_weight", None))}
+    products = [w for w in ws if id(w) not in lookups]
+    need = sum(w.shape[0] * w.K for w in products) * dtype.itemsize
+    limit = DENSE_COPY_MODEL_BYTES if limit_bytes is None else limit_bytes
     free = available_memory_bytes() if free_bytes is None else free_bytes
+    mib, dt = (lambda b: f"{b / 2**20:.0f} MiB"), str(dtype).removeprefix("torch.")
+    none = f"dense copies: 0 of {len(ws)} packed weights, 0 MiB ("
+    if not products:
+        return [], none + "only embedding lookups, which dequantize the rows asked for)"
+    if need > limit:
+        return [], none + (f"the products' copies would take {mib(need)} in {dt}, above the {mib(limit)} a model "
+                           "gets them at): many-row products packed up to uncopied_rows, dequantized tiles above")
     if need > DENSE_COPY_SHARE * free:
-        return False, (f"dense copies: skipped ({need / 2**20:.0f} MiB would exceed {DENSE_COPY_SHARE:.0%} of "
-                       f"{free / 2**20:.0f} MiB free): many-row products dequantize tiles")
-    return True, (f"dense copies: {len(ws)} weights, {need / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')} "
-                  "for many-row products")
+        return [], none + (f"{mib(need)} would exceed {DENSE_COPY_SHARE:.0%} of {mib(free)} free): many-row "
+                           "products packed up to uncopied_rows, dequantized tiles above")
+    return products, (f"dense copies: {len(products)} of {len(ws)} packed weights, {mib(need)} in {dt} (a model "
+                      f"whose copies take at most {mib(limit)}: many-row products run on them"
+                      + (f"; {len(ws) - len(products)} embedding lookups without)" if len(products) < len(ws) else ")"))
 
 
 def describe(model: nn.Module) -> str:

@@ -278,11 +278,13 @@ def test_dense_copies_are_skipped_when_memory_is_short():
     from pagedserve.model.quant import PackedEmbedding, PackedLinear, add_dense_copies, describe
     w, e = _q41(), _q41(32, 256, 1)
     model = torch.nn.ModuleDict({"a": PackedLinear(w), "b": PackedLinear(w), "emb": PackedEmbedding(e, torch.float32)})
+    model.head_weight = e                   # a tied LM head: the embedding is a product's weight too (copied)
     need = (64 + 32) * 256 * 4
     line = add_dense_copies(model, torch.float32, free_bytes=need)          # more than half of free: skipped
-    assert line.startswith("dense copies: skipped") and w.dense is None and "dense copies" not in describe(model)
+    assert line.startswith("dense copies: 0 of 2") and "50% of" in line and w.dense is None
+    assert "dense copies" not in describe(model)
     line = add_dense_copies(model, torch.float32, free_bytes=4 * need)
-    assert line.startswith("dense copies: 2 weights") and w.dense is not None and e.dense is not None
+    assert line.startswith("dense copies: 2 of 2 packed weights") and w.dense is not None and e.dense is not None
     assert describe(model) == "packed Q4_1 x 3 + dense copies"
     ids = torch.tensor([0, 31, 5])                                           # lookups read the copy: same rows
     torch.testing.assert_close(model["emb"](ids), e.dequantize(rows=ids), rtol=0, atol=0)
