@@ -90,11 +90,12 @@ def run_generate(cmd: list[str], env: dict) -> dict:
     return {"wall_s": wall, "answer": out.strip(), "peak_rss_mb": peak, "phases": phases_of(err)}
 
 
-# generate runs under a tiny wrapper that reports the child's peak RSS (ru_maxrss) on stderr
-GEN_WRAPPER = ("import resource, runpy, sys; sys.argv = ['pagedserve'] + sys.argv[1:]\n"
-               "try:\n    runpy.run_module('pagedserve.entrypoints.cli', run_name='__main__')\n"
-               "finally:\n    print(f'PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', "
-               "file=sys.stderr)\n")
+# generate runs under a tiny wrapper that reports the child's peak RSS (ru_maxrss) on stderr, from an exit
+# handler (generate ends its process with cli.exit_now: the handlers run, the interpreter's teardown not)
+GEN_WRAPPER = ("import atexit, resource, runpy, sys; sys.argv = ['pagedserve'] + sys.argv[1:]\n"
+               "atexit.register(lambda: print(f'PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', "
+               "file=sys.stderr))\n"
+               "runpy.run_module('pagedserve.entrypoints.cli', run_name='__main__')\n")
 
 
 def med(xs: list[float]) -> float:

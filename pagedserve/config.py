@@ -120,9 +120,9 @@ class EngineArgs:
         "kernel, the fused layer call) with a fixed reduction order; a GGUF file on one CPU rank, no LoRA "
         "(vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); its cost in BENCHMARKS.md"))
     warm_gemm_shapes: bool = field(default=True, metadata=_h(
-        "build the GEMM library's kernels for every row bucket a step can reach at load (~1-2.5 s), so a "
-        "server's memory is flat from its first request; off: built as steps meet them (the default of "
-        "generate and chat, which meet a few)"))
+        "build the GEMM library's kernels for every row bucket a step can reach ahead (~1-2.5 s): at load, "
+        "and in serve in the engine's idle time after /health is 200, so a server's memory is flat once it "
+        "has idled; off: built as steps meet them (the default of generate and chat, which meet a few)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
         "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
         "storage; bfloat16 halves the bytes per token, int8 about quarters them"))

@@ -33,6 +33,7 @@ from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
 from pagedserve.kv_plan import GiB, pool_blocks, window_plan, workspace_bytes
 from pagedserve.model.families import from_transformers
+from pagedserve.model.gemm import Warmup
 from pagedserve.model.llama import FusedDecode
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.lora_request import LoRARegistry
@@ -52,10 +53,13 @@ class EngineCore:
     generates = True                        # EncoderCore: False (it only embeds)
     images: ImageInputs | None = None       # a vision-language model's image inputs (None: text only)
 
-    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None):
+    gemm_warmup: Warmup | None = None     # GEMM shapes still to build (serve: in idle time after ready)
+
+    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None, warm_at_load: bool = True):
         """startup: the record to time the build into (the CLI's, which began with the imports); a new one
-        when not given. Read it as `engine.startup`."""
-        self.args = args
+        when not given. Read it as `engine.startup`. warm_at_load False: the GEMM shapes of
+        --warm-gemm-shapes are left for `warm_idle` (serve calls it while no request is in flight)."""
+        self.args, self.warm_at_load = args, warm_at_load
         self.startup = timer = startup or StartupTimer()
         with activate(timer):
             self._init(args)
@@ -150,10 +154,16 @@ class EngineCore:
         head_rows = min(args.max_num_batched_tokens, max(args.max_num_seqs * (1 + k), PROMPT_LOGPROBS_ROWS))
         mark("plan")
         with phase("GEMM shapes"):
-            for name, m in (("model", self.model), ("draft model", draft)):
-                if m is not None and args.warm_gemm_shapes:
-                    log.info("%s %s", name, m.warm_gemms(args.max_num_batched_tokens, head_rows))
-            if not args.warm_gemm_shapes:
+            if args.warm_gemm_shapes:
+                jobs = [m.gemm_warmup(args.max_num_batched_tokens, head_rows) for m in (self.model, draft)
+                        if m is not None]
+                self.gemm_warmup = Warmup([p for job in jobs for p in job.products], note=jobs[0].note)
+                if self.warm_at_load:
+                    log.info("GEMM shapes: %s", self.gemm_warmup.run())
+                elif not self.gemm_warmup.done:
+                    log.info("GEMM shapes: %d distinct products, every row bucket, built in the idle time after "
+                             "ready", len(self.gemm_warmup.keys))
+            else:
                 log.info("GEMM shapes: built as steps meet them (--no-warm-gemm-shapes)")
         with phase("KV pool"):
             self._build_pool(args, cfg, layout, kv_dtype, draft)
@@ -280,6 +290,18 @@ class EngineCore:
                  "calibration cached for this host; `pagedserve simulate --calibrate` makes one), refitted as "
                  "steps run")
         return cost
+
+    def warm_idle(self, budget_s: float = 0.05) -> bool:
+        """Build GEMM shapes left from the load for about budget_s (gemm.Warmup.step), in the engine
+        thread while no request is in flight; True while some remain."""
+        job = self.gemm_warmup
+        if job is None or job.done:
+            return False
+        if job.step(budget_s):
+            return True
+        self.startup.after_ready["GEMM shapes"] = job.seconds
+        log.info("GEMM shapes after ready: %s", job.line())
+        return False
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Idempotent."""

@@ -27,12 +27,14 @@ Delivery = tuple[RequestState, RequestOutput]      # an output and the state of 
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, startup: StartupTimer | None = None, **kwargs):
-        """startup: the start-up record to time into (the CLI's, begun before its imports); read `engine.startup`."""
+    def __init__(self, args: EngineArgs | None = None, startup: StartupTimer | None = None,
+                 warm_at_load: bool = True, **kwargs):
+        """startup: the start-up record to time into (the CLI's, begun before its imports); read `engine.startup`.
+        warm_at_load False: GEMM shapes are built by `warm_idle` calls after the load (serve's idle time)."""
         args = args or EngineArgs(**kwargs)
         # a sentence-transformers encoder (BERT-like) only embeds: its core runs no KV pool (encoder_core.py)
         encoder = is_encoder_folder(resolve_model(args.model, args.revision))
-        self.core = (EncoderCore if encoder else EngineCore)(args, startup)
+        self.core = (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
         self.tokenizer = self.core.tokenizer
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.outputs = OutputProcessor(self.tokenizer, self.core.counters)
@@ -44,6 +46,10 @@ class LLMEngine:
         if core is None:
             raise AttributeError(name)
         return getattr(core, name)
+
+    def warm_idle(self) -> bool:
+        """Build a slice of the GEMM shapes left from the load (EngineCore.warm_idle); True while some remain."""
+        return self.core.warm_idle()
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -48,6 +48,7 @@ class StartupTimer:
     phases: list[Phase] = field(default_factory=list)
     current: str = "starting"            # the phase under way (what /health names while loading)
     ready: bool = False
+    after_ready: dict[str, float] = field(default_factory=dict)   # work left for after ready (seconds, when done)
     _last: float = field(default_factory=time.perf_counter)
 
     def add(self, name: str, seconds: float) -> None:
@@ -88,7 +89,8 @@ class StartupTimer:
         return {"ready": self.ready, "current": self.current, "total_s": round(self.total_s, 4),
                 "rss_mb": round(self.phases[-1].rss_mb if self.phases else rss_mb(), 1),
                 "phases": [{"phase": p.name, "seconds": round(p.seconds, 4), "rss_mb": round(p.rss_mb, 1)}
-                           for p in self.phases]}
+                           for p in self.phases],
+                "after_ready": {name: round(secs, 4) for name, secs in self.after_ready.items()}}
 
     def summary(self, memory: dict[str, float] | None = None) -> str:
         """One line: 'ready in 2.9 s: imports 0.8, model read 1.1, ... | RSS 850 MB: weights 340, ...'."""

@@ -265,7 +265,7 @@ def run_server(args: EngineArgs, ns, front: Front) -> int:
         signal.signal(sig, on_signal)
     front.on_exit = lambda: state is not None and state.aengine.shutdown()   # ends run() on the main thread
     try:
-        engine = LLMEngine(args, startup=timer)
+        engine = LLMEngine(args, startup=timer, warm_at_load=False)     # GEMM shapes: after ready, when idle
         timer.current = "server"
     except StopLoading:
         front.stop()

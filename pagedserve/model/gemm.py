@@ -15,7 +15,9 @@ kernels then (~0.5 MiB a layer shape, ~4 MiB an LM-head shape, measured on an AV
 RSS climbs in steps for as long as new buckets turn up (stop 42: 20 MiB from request 200 to 600 on
 a tiny bf16 model, flat in float32). warm() builds every bucket's kernels at load instead, as vLLM
 captures its CUDA graphs for every batch size before serving: RSS reaches its level before the KV
-plan reads the free memory, and no step pays a compile."""
+plan reads the free memory, and no step pays a compile. `serve` defers it to the engine thread's idle
+time after the port answers 200 (Warmup.step, issue 56): the first request waits for at most one
+product's build, and RSS is flat once the server has had a few idle seconds."""
 from __future__ import annotations
 
 import functools
@@ -84,19 +86,57 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
 
 _WARMED: set[tuple[Hashable, int]] = set()    # (product key, bucket) already run in this process
 
+Product = tuple[Hashable, Callable[[torch.Tensor], object], int, torch.dtype, int, int]
 
-def warm(products: Iterable[tuple[Hashable, Callable[[torch.Tensor], object], int, torch.dtype, int, int]]) -> str:
-    """Run each product once at every bucket in (first, last] rows, unless this process already has:
+
+class Warmup:
+    """Every bucket in (first, last] rows of each product run once, unless this process already has:
     `products` are (key, fn(x), K, x's dtype, first, last); a key names what the GEMM library keys its
     kernels by (the weight's shape, layout and dtype, the form of the call), so the layers that share
-    a shape are run once, and so are engines that load the same model again. Returns the line logged."""
-    t0, n, keys = time.perf_counter(), 0, set()
-    with torch.inference_mode():
-        for key, fn, k, dtype, first, last in products:
-            keys.add(key)
-            for m in buckets_up_to(last):
-                if m > first and (key, m) not in _WARMED:
-                    fn(torch.zeros(m, k, dtype=dtype))
-                    _WARMED.add((key, m))
-                    n += 1
-    return f"{n} built at load ({len(keys)} distinct products, every row bucket) in {time.perf_counter() - t0:.2f} s"
+    a shape are run once, and so are engines that load the same model again. A job that `run()`
+    does at once, or `step()` a slice at a time: `serve` builds them in the engine thread's idle time
+    after /health answers 200 (issue 56: ~1-3.7 s of the start-up on 2 cores), a request waiting at
+    most one product's build. A padded product's result does not depend on whether its bucket was
+    built ahead: only when its kernel is compiled moves. `note`: why an empty job has nothing to do."""
+
+    def __init__(self, products: Iterable[Product] = (), note: str = ""):
+        self.products = list(products)
+        self.note = note
+        self.keys = {p[0] for p in self.products}
+        self._todo = ((key, fn, k, dtype, m) for key, fn, k, dtype, first, last in self.products
+                      for m in buckets_up_to(last) if m > first)
+        self.done = not self.products
+        self.built, self.seconds = 0, 0.0
+
+    def step(self, budget_s: float = float("inf")) -> bool:
+        """Build pending buckets for about budget_s (at least one); False once none remains (True: call again)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for key, fn, k, dtype, m in self._todo:
+                if (key, m) in _WARMED:
+                    continue
+                fn(torch.zeros(m, k, dtype=dtype))
+                _WARMED.add((key, m))
+                self.built += 1
+                if time.perf_counter() - t0 >= budget_s:
+                    self.seconds += time.perf_counter() - t0
+                    return True
+        self.seconds += time.perf_counter() - t0
+        self.done = True
+        return False
+
+    def run(self) -> str:
+        """Build every pending bucket now; returns the line logged."""
+        self.step()
+        return self.line()
+
+    def line(self) -> str:
+        if not self.products:
+            return self.note
+        return (f"{self.built} built ({len(self.keys)} distinct products, every row bucket) in {self.seconds:.2f} s"
+                if self.done else f"{len(self.keys)} distinct products, every row bucket: pending")
+
+
+def warm(products: Iterable[Product]) -> str:
+    """Build every bucket of `products` now (Warmup.run); returns the line logged."""
+    return Warmup(products).run()

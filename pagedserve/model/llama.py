@@ -25,7 +25,7 @@ from pagedserve.distributed.sharding import vocab_slice
 from pagedserve.host import cpu_info
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.gemm import gemm, padded, pads_rows, warm
+from pagedserve.model.gemm import Warmup, gemm, padded, pads_rows
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, packed_rows, uncopied_rows
 from pagedserve.model.rope import rope_tables
@@ -347,17 +347,17 @@ class LlamaForCausalLM(nn.Module):
             layer.transposed = use
         return "; ".join(lines + [f"small-batch GEMMs: {'(w @ x.T).T' if use else 'F.linear'} ({why})"])
 
-    def warm_gemms(self, max_rows: int, head_rows: int) -> str:
-        """Build the GEMM library's kernels for every row bucket a step can reach (pagedserve.model.gemm.warm):
+    def gemm_warmup(self, max_rows: int, head_rows: int) -> Warmup:
+        """The job building the GEMM library's kernels for every row bucket a step can reach (gemm.Warmup):
         the layers' products up to max_rows (the step's token budget), the LM head up to head_rows (the
         most rows a step samples or scores at once). Only where products are padded to buckets (bf16 /
         fp16 through oneDNN); not a tensor-parallel model's (its head gathers across ranks) nor MoE
-        experts' (rows per expert: built as steps meet them). Returns the line logged at load."""
+        experts' (rows per expert: built as steps meet them); where none is built ahead, an empty job saying why."""
         dtype = self.norm.dtype
         if not pads_rows(dtype, self.norm.device.type):
-            return "GEMM shapes: nothing to build at load (this dtype keeps no per-shape state here)"
+            return Warmup(note="nothing to build ahead (this dtype keeps no per-shape state here)")
         if self.tp.size > 1:
-            return "GEMM shapes: built as steps meet them (tensor parallel)"
+            return Warmup(note="built as steps meet them (tensor parallel)")
         products = []
 
         def add(w, b, transposed: bool, last: int) -> None:
@@ -372,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
             for mod in layer.products():
                 add(mod.weight, mod.bias, layer.transposed, max_rows)
         add(self.head_weight, None, self.transposed, head_rows)
-        return "GEMM shapes: " + warm(products)
+        return Warmup(products)
 
     def _set_packed_rows(self, head, int8_act: bool, forced: int | None = None) -> str:
         """Packed weights: their activations (int8-rounded or float), the 8-row interleave for int8, and the

@@ -152,3 +152,27 @@ def test_the_cli_logs_one_ready_line_with_the_imports(caplog, capsys):
         assert main(["generate", "Hi", "--max-tokens", "2", "--num-kv-blocks", "64", "--log-level", "info"]) == 0
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in ")]
     assert len(ready) == 1 and "imports " in ready[0] and "| RSS " in ready[0]
+
+
+# `pagedserve generate` as a process of its own, with an exit handler of the caller's (as bench/startup.py's)
+ONE_SHOT = """
+import atexit, sys
+mark = sys.argv[1]
+atexit.register(lambda: open(mark, "w").write("exit handlers ran"))
+sys.argv = ["pagedserve", "generate", "Hi", "--max-tokens", "3", "--num-kv-blocks", "64"]
+from pagedserve.entrypoints.cli import main
+sys.exit(main())
+"""
+
+
+def test_generate_as_a_process_skips_the_teardown_not_the_exit_handlers_or_the_answer(tmp_path):
+    """cli.exit_now: the answer printed, the exit handlers run, status 0, without the interpreter's teardown
+    (which the test cannot time: it checks what must survive skipping it)."""
+    mark = tmp_path / "ran"
+    r = subprocess.run([sys.executable, "-c", ONE_SHOT, str(mark)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() and r.stdout.endswith("\n")
+    assert mark.read_text() == "exit handlers ran"
+    r = subprocess.run([sys.executable, "-c", ONE_SHOT.replace('"64"]', '"64", "--max-tokens", "0"]'), str(mark)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "max_tokens" in r.stderr     # a refused request: its status, not exit_now's 0

@@ -131,3 +131,58 @@ def test_warm_runs_each_product_once_per_bucket(monkeypatch):
     calls.clear()
     gemm_mod.warm([product])
     assert not calls
+
+
+def test_a_warmup_steps_a_slice_at_a_time(monkeypatch):
+    """Warmup.step (serve's idle time after ready): at least one build a call, each bucket once, the
+    same set `run` builds; an empty job is done at once and says why."""
+    monkeypatch.setattr(gemm_mod, "_WARMED", set())
+    calls = []
+    job = gemm_mod.Warmup([("w", lambda x: calls.append(x.shape[0]), 24, torch.float32, 4, 40)])
+    steps = 0
+    while job.step(budget_s=0.0):
+        steps += 1
+        assert len(calls) == steps and not job.done
+    assert job.done and calls == [m for m in buckets_up_to(40) if m > 4] and len(calls) == steps
+    assert job.line().startswith(f"{len(calls)} built") and not job.step()
+    empty = gemm_mod.Warmup(note="nothing to build ahead")
+    assert empty.done and empty.line() == "nothing to build ahead"
+
+
+def test_serve_builds_the_gemm_shapes_after_ready_and_no_token_changes(forced, tmp_path, tokenizer, monkeypatch):
+    """warm_at_load False (serve): the engine is ready with no shape built; a request then runs exactly as
+    in an engine warmed at load; the async engine's idle loop builds every bucket, recorded after ready."""
+    import time
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
+    save_family("llama", tmp_path, len(tokenizer), tokenizer)
+    forced(True)
+    kw = dict(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=96, max_num_seqs=4)
+    prompt = {"prompt_token_ids": list(range(5, 40))}
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def tokens(eng) -> list[int]:
+        rid = eng.add_request(None, prompt, sp)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished and out.request_id == rid:
+                    return list(out.outputs[0].token_ids)
+
+    monkeypatch.setattr(gemm_mod, "_WARMED", set())
+    lazy = LLMEngine(warm_at_load=False, **kw)
+    assert not gemm_mod._WARMED and not lazy.core.gemm_warmup.done and "GEMM shapes" in lazy.startup.seconds()
+    before = tokens(lazy)                                   # a request before any shape was built ahead
+    aeng = AsyncLLMEngine(lazy)
+    try:
+        t0 = time.time()
+        while not lazy.core.gemm_warmup.done and time.time() - t0 < 120:
+            time.sleep(0.05)
+    finally:
+        aeng.shutdown()
+    assert lazy.core.gemm_warmup.done and lazy.startup.after_ready["GEMM shapes"] > 0
+    assert {m for _, m in gemm_mod._WARMED} >= set(buckets_up_to(96))
+    assert "after_ready" in lazy.startup.as_dict()
+    monkeypatch.setattr(gemm_mod, "_WARMED", set())
+    eager = LLMEngine(**kw)                                 # every shape built at load
+    assert {m for _, m in gemm_mod._WARMED} >= set(buckets_up_to(96)) and not eager.warm_idle()
+    assert tokens(eager) == before
