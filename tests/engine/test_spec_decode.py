@@ -65,7 +65,7 @@ def test_the_adaptive_rule_measures_its_costs_behind_a_context_and_gives_the_blo
     ref = llm.generate(GROUNDED[:1], sp)
     for blocks in (24, 1024):             # 24 x 16 tokens: no room for a context beside the 256 rows measured
         a = LLM(num_kv_blocks=blocks, block_size=16, dtype="float32", speculative_config=ALWAYS | {"adaptive": True})
-        table = a.engine.scheduler.spec_cost
+        table = a.engine.core.scheduler.drafting.cost
         assert table.rows[0] == 1 and table.rows[-1] == 256 and all(t > 0 for t in table.seconds)
         _assert_idle_and_clean(a)
         assert _ids(a.generate(GROUNDED[:1], sp)) == _ids(ref)
