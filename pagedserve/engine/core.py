@@ -370,8 +370,7 @@ class EngineCore:
             self._record_stats(so, ro, step_s)
             if self.step_cost is not None and so.seqs:
                 fitted = self.step_cost.model is not None
-                self.step_cost.observe([(s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0)
-                                        for s in so.seqs], step_s)
+                self.step_cost.observe(list(self.last_stats.rows), step_s)
                 if not fitted and self.step_cost.model is not None:   # the first fit (no calibration cached)
                     self._check_floor(self.scheduler.classes, False)
         return out
@@ -404,5 +403,6 @@ class EngineCore:
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
             num_preemptions=len(so.preempted), num_admitted=so.num_admitted, num_draft_tokens=so.num_draft_tokens,
             step_s=step_s, forward_s=ro.forward_s,
-            prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s)
+            prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s,
+            rows=tuple((s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0) for s in so.seqs))
 

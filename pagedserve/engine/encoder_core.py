@@ -102,6 +102,7 @@ class EncoderCore(EngineCore):
         self.runner = None
         self.loras = None
         self.step_cost = None
+        self.startup_itl_floor_ms = None
         self.eos_token_ids = ()
         self.queue: deque[Request] = deque()
 
