@@ -71,14 +71,14 @@ def exp_memory(out_dir):
     for policy in ("paged", "contiguous"):
         llm = LLM(num_kv_blocks=pool, kv_allocation=policy, max_model_len=max_len, max_num_seqs=64)
         eng = llm.engine
-        per_tok = eng.model_config.kv_bytes_per_token(4)
+        per_tok = eng.core.model_config.kv_bytes_per_token(4)
         per_block = per_tok * eng.args.block_size
         live, alloc, running = [], [], []
 
         def on_step(i, e, outs, dt):
-            live.append(sum(r.num_computed_tokens for r in e.scheduler.running) * per_tok)
-            alloc.append((e.kv.pool.num_usable_blocks - e.kv.num_free_blocks) * per_block)
-            running.append(len(e.scheduler.running))
+            live.append(sum(r.num_computed_tokens for r in e.core.scheduler.running) * per_tok)
+            alloc.append((e.core.kv.pool.num_usable_blocks - e.core.kv.num_free_blocks) * per_block)
+            running.append(len(e.core.scheduler.running))
 
         t = time.perf_counter()
         drive(eng, lambda i: [eng.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
@@ -99,9 +99,9 @@ def exp_memory(out_dir):
         drive(eng, lambda i: [eng.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
                                               SamplingParams(max_tokens=min(64, r["max_tokens"]), ignore_eos=True))
                               for r in reqs] if i == 0 else None,
-              lambda i, e, outs, dt: running.append(len(e.scheduler.running)))
-        kv_rows.append([kv, eng.kv_cache_bytes_per_token, eng.kv.pool.num_blocks, max(running), len(running),
-                        eng.counters.preemptions, f"{time.perf_counter() - t:.1f}"])
+              lambda i, e, outs, dt: running.append(len(e.core.scheduler.running)))
+        kv_rows.append([kv, eng.core.kv_cache_bytes_per_token, eng.core.kv.pool.num_blocks, max(running), len(running),
+                        eng.core.counters.preemptions, f"{time.perf_counter() - t:.1f}"])
     p = plt()
     fig, ax = p.subplots(figsize=(8, 4))
     for policy, (live, alloc) in series.items():
@@ -127,8 +127,8 @@ def _batching_run(policy, reqs, max_num_seqs):
     def on_step(i, e, outs, dt):
         # slots of max_num_seqs not doing useful work while requests wait: static batching keeps
         # finished rows' slots empty until the whole batch ends; continuous refills them next step
-        if e.scheduler.waiting:
-            idle[0] += max(0, max_num_seqs - len(e.scheduler.running))
+        if e.core.scheduler.waiting:
+            idle[0] += max(0, max_num_seqs - len(e.core.scheduler.running))
 
     def add(i):
         if i == 0:
@@ -232,7 +232,7 @@ def exp_prefix(out_dir):
             out = llm.generate([{"prompt_token_ids": system + u}], SamplingParams(max_tokens=4, ignore_eos=True),
                                use_tqdm=False)[0]
             ts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-        c = eng.counters
+        c = eng.core.counters
         hit = c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0
         ttfts["on" if on else "off"] = ts
         rows.append(["on" if on else "off", f"{1000 * ts[0]:.0f}", f"{1000 * statistics.mean(ts[1:]):.0f}",
@@ -255,12 +255,12 @@ def exp_blocksize(out_dir):
     for bs in (8, 16, 32, 64, 128):
         llm = LLM(num_kv_blocks=16384 // bs, block_size=bs)
         eng = llm.engine
-        per_tok = eng.model_config.kv_bytes_per_token(4)
+        per_tok = eng.core.model_config.kv_bytes_per_token(4)
         waste, step_s = [], []
 
         def on_step(i, e, outs, dt):
-            live = sum(r.num_computed_tokens for r in e.scheduler.running)
-            held = sum(len(e.kv.block_ids(r.request_id)) for r in e.scheduler.running) * bs
+            live = sum(r.num_computed_tokens for r in e.core.scheduler.running)
+            held = sum(len(e.core.kv.block_ids(r.request_id)) for r in e.core.scheduler.running) * bs
             if held:
                 waste.append((held - live) / held)
             step_s.append(dt)

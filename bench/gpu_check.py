@@ -168,7 +168,7 @@ def reference(device: str, workdir: str) -> dict:
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 runs[dtype] = [(list(o.outputs[0].token_ids), [set(lp) for lp in o.outputs[0].logprobs])
                                for o in outs]
-                backend = llm.engine.runner.attention_backend
+                backend = llm.engine.core.runner.attention_backend
         fam = {"attention": backend}
         try:
             for p, (got, _) in zip(prompts, runs["float32"]):
@@ -304,7 +304,7 @@ def _run_pass(eng, reqs, tag: str, on_step=None) -> tuple[float, bool]:
     """The workload through the engine once: (wall seconds, every request got its tokens)."""
     import torch
     from pagedserve.sampling_params import SamplingParams
-    if eng.runner.device.type == "cuda":
+    if eng.core.runner.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for r in reqs:
@@ -315,7 +315,7 @@ def _run_pass(eng, reqs, tag: str, on_step=None) -> tuple[float, bool]:
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = len(o.outputs[0].token_ids)
-        if on_step is not None and eng.last_schedule is not None and eng.last_schedule.seqs:
+        if on_step is not None and eng.core.last_schedule is not None and eng.core.last_schedule.seqs:
             on_step(eng)
     wall = time.perf_counter() - t0
     return wall, all(done.get(f"{tag}-{r['id']}") == r["max_tokens"] for r in reqs)
@@ -344,17 +344,17 @@ def ours(d: str, reqs: list[dict], device: str, trace_path: str, out: str, profi
     eng.add_request("warm-up", list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    trace, shape = StepTrace(trace_path), shape_of_engine(eng)
+    trace, shape = StepTrace(trace_path), shape_of_engine(eng.core)
     h200 = RooflineCost(shape, PROFILES["h200"])
     steps, kernels = [], [_triton_kernels()]
 
     def on_step(e):
-        f = step_features(shape, e.last_schedule.seqs)
-        st = e.last_stats
+        f = step_features(shape, e.core.last_schedule.seqs)
+        st = e.core.last_stats
         n = _triton_kernels()
         steps.append(dict(step_ms=st.step_s * 1e3, predicted_ms=h200.step_time(f) * 1e3,
-                          decodes=sum(1 for s in e.last_schedule.seqs if s.is_decode),
-                          prefill_tokens=e.last_schedule.num_prefill_tokens, prepare_ms=st.prepare_s * 1e3,
+                          decodes=sum(1 for s in e.core.last_schedule.seqs if s.is_decode),
+                          prefill_tokens=e.core.last_schedule.num_prefill_tokens, prepare_ms=st.prepare_s * 1e3,
                           forward_ms=st.forward_s * 1e3, sample_ms=st.sample_s * 1e3, compiled=n - kernels[-1]))
         kernels.append(n)
         trace.record(e)
@@ -372,7 +372,7 @@ def ours(d: str, reqs: list[dict], device: str, trace_path: str, out: str, profi
                compiles_during_first_pass=sum(s["compiled"] for s in steps),
                steps_over_300ms=[(i, round(s["step_ms"]), s["compiled"]) for i, s in enumerate(steps)
                                  if s["step_ms"] > 300],
-               attention=eng.runner.attention_backend, graphs=eng.runner.graphs_note,
+               attention=eng.core.runner.attention_backend, graphs=eng.core.runner.graphs_note,
                h200_profile_median_rel_error=med(errs), h200_profile_decode_only_median_rel_error=med(decode_only),
                step_ms_p50=med([s["step_ms"] for s in steps]), trace=trace_path)
     try:                    # the h200 profile refitted to this trace (bench/fit_gpu_profile.py)
@@ -395,7 +395,7 @@ def _profile(eng, reqs, out: str, out_tokens: int) -> dict:
     import torch
     from pagedserve.runner.sampler import Sampler
     res = {}
-    sampler = eng.runner.sampler
+    sampler = eng.core.runner.sampler
     try:         # A/B in this run: the sampler's earlier path, every row's logits copied to the host
         sampler.sample_on_device = lambda logits, *a, **k: Sampler.__call__(sampler, logits.cpu(), *a, **k)
         wall, _ = _run_pass(eng, reqs, "host-sampling")
@@ -412,7 +412,7 @@ def _profile(eng, reqs, out: str, out_tokens: int) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             prof.__exit__(None, None, None)
-    cuda = eng.runner.device.type == "cuda"
+    cuda = eng.core.runner.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     prof = torch.profiler.profile(activities=acts)
     _run_pass(eng, reqs, "profiled", on_step)
@@ -422,7 +422,7 @@ def _profile(eng, reqs, out: str, out_tokens: int) -> dict:
         if cuda:
             f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
-    g = eng.runner.graphs
+    g = eng.core.runner.graphs
     if g is not None:
         replay = {}
         for b in g.sizes:

@@ -23,7 +23,7 @@ def main():
     reqs = load_workload(a.workload)
     for kv in ("float32", "bfloat16", "int8"):
         eng = LLMEngine(kv_cache_memory=a.memory, kv_cache_dtype=kv, max_num_seqs=4096)
-        bs, free = eng.args.block_size, eng.kv.pool.num_blocks - 1        # block 0 is the null block
+        bs, free = eng.args.block_size, eng.core.kv.pool.num_blocks - 1        # block 0 is the null block
         n = 0
         while True:
             r = reqs[n % len(reqs)]
@@ -34,8 +34,8 @@ def main():
             n += 1
         mean = sum(len(r["prompt_token_ids"]) + r["max_tokens"] for r in reqs) / len(reqs)
         print("RESULT " + json.dumps({"kv_cache_dtype": kv, "memory": a.memory, "bytes_per_token":
-                                      eng.kv_cache_bytes_per_token, "blocks": eng.kv.pool.num_blocks,
-                                      "tokens": eng.kv.pool.num_blocks * bs, "requests_admitted": n,
+                                      eng.core.kv_cache_bytes_per_token, "blocks": eng.core.kv.pool.num_blocks,
+                                      "tokens": eng.core.kv.pool.num_blocks * bs, "requests_admitted": n,
                                       "mean_request_tokens": round(mean)}), flush=True)
 
 

@@ -67,9 +67,9 @@ def run(llm, reqs, names: list[str | None]) -> dict:
         t0 = time.perf_counter()
         for o in eng.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
-        seconds["prefill" if eng.last_schedule.num_prefill_tokens else "decode"] += time.perf_counter() - t0
+        seconds["prefill" if eng.core.last_schedule.num_prefill_tokens else "decode"] += time.perf_counter() - t0
         steps += 1
-        lora_rows += sum(s.num_tokens for s in eng.last_schedule.seqs if s.lora_id)
+        lora_rows += sum(s.num_tokens for s in eng.core.last_schedule.seqs if s.lora_id)
     wall = time.perf_counter() - t
     o_tok = sum(r["max_tokens"] for r in reqs)
     return {"wall_s": round(wall, 2), "output_tok_s": round(o_tok / wall, 2), "steps": steps, "lora_rows": lora_rows,
@@ -99,7 +99,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     names = [f"adapter{i}" for i in range(1, 5)]
     for i, n in enumerate(names):
-        eng.loras.load(n, write_adapter(os.path.join(tmp, n), eng.model_config, a.rank, i, a.targets))
+        eng.core.loras.load(n, write_adapter(os.path.join(tmp, n), eng.core.model_config, a.rank, i, a.targets))
     llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
     if a.churn:
         return churn(llm, tmp, a)
@@ -110,7 +110,7 @@ def main():
             batch = [dict(r, id=f"{kind}{rep}-{r['id']}") for r in reqs]
             r = run(llm, batch, [None] * len(reqs) if kind == "base" else mixed)
             r.update(kind=kind, rep=rep, workload=a.workload, rank=a.rank, targets=a.targets,
-                     weights=eng.model.weights_desc)
+                     weights=eng.core.model.weights_desc)
             results[kind].append(r)
             print("RESULT " + json.dumps(r), flush=True)
     b = sum(r["output_tok_s"] for r in results["base"]) / a.reps
@@ -127,23 +127,23 @@ def churn(llm, tmp: str, a) -> None:
     """Load, use and unload a fresh adapter `a.churn` times beside the 4 loaded ones; RSS as it goes."""
     from pagedserve import LoRARequest, SamplingParams
     eng = llm.engine
-    paths = [write_adapter(os.path.join(tmp, f"churn{i}"), eng.model_config, a.rank, 100 + i, a.targets)
+    paths = [write_adapter(os.path.join(tmp, f"churn{i}"), eng.core.model_config, a.rank, 100 + i, a.targets)
              for i in range(2)]                      # two folders, alternated: the registry sees new names
     rss = []
     for i in range(a.churn + 1):
         if i % max(1, a.churn // 10) == 0:
             rss.append((i, round(rss_mib(), 1)))
-            print(f"cycle {i}: RSS {rss[-1][1]} MiB, loaded {len(eng.loras)}, slots held "
-                  f"{len(eng.runner.lora.adapters)}", flush=True)
+            print(f"cycle {i}: RSS {rss[-1][1]} MiB, loaded {len(eng.core.loras)}, slots held "
+                  f"{len(eng.core.runner.lora.adapters)}", flush=True)
         if i == a.churn:
             break
         name = f"churn-{i}"
-        eng.loras.load(name, paths[i % 2])
+        eng.core.loras.load(name, paths[i % 2])
         llm.generate({"prompt_token_ids": list(range(200, 264))}, SamplingParams(max_tokens=8, ignore_eos=True),
                      use_tqdm=False, lora_request=LoRARequest(name))
-        assert eng.loras.unload(name)
+        assert eng.core.loras.unload(name)
     print("RESULT " + json.dumps({"churn": a.churn, "rss_mib": rss, "rank": a.rank, "targets": a.targets,
-                                  "held": eng.held(), "adapters_in_memory": len(eng.runner.lora.adapters)}))
+                                  "held": eng.held(), "adapters_in_memory": len(eng.core.runner.lora.adapters)}))
 
 
 def rss_mib() -> float:

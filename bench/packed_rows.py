@@ -40,7 +40,7 @@ def main() -> None:
     from pagedserve.host import cpu_info
     from pagedserve.model.quant import Packed, packed_rows
     llm = LLM(model=a.model, dtype=a.dtype, num_kv_blocks=64, max_num_batched_tokens=max(256, a.max_rows))
-    model = llm.engine.model
+    model = llm.engine.core.model
     layer_ws = [m.weight for layer in model.layers for m in layer.products() if isinstance(m.weight, Packed)]
     head = model.head_weight
     if not layer_ws:

@@ -73,8 +73,8 @@ def run_ours(model: str, workload: str, num_kv_blocks: int | None, flags: dict |
     rss["after workload"] = rss_now_mb()
     out_tokens = sum(r["max_tokens"] for r in reqs)
     return {"engine": f"pagedserve {json.dumps(flags) if flags else '(default flags)'}", "model": os.path.basename(model), "workload": workload,
-            "weights": eng.model.weights_desc, "kv_blocks": eng.kv.pool.num_usable_blocks,
-            "kv_tokens": eng.kv.pool.num_usable_blocks * eng.args.block_size,
+            "weights": eng.core.model.weights_desc, "kv_blocks": eng.core.kv.pool.num_usable_blocks,
+            "kv_tokens": eng.core.kv.pool.num_usable_blocks * eng.info.block_size,
             "token_counts_ok": all(got.get(r["id"]) == r["max_tokens"] for r in reqs),
             "load_s": round(load_s, 2), "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 2),
             "rss_after_load_mb": round(rss["after load"]), "peak_rss_mb": round(peak_rss_mb()),

@@ -78,9 +78,9 @@ def install(prof: Profile, eng):
     """Wrap the phases. Names differ between checkouts; a name a checkout lacks is skipped."""
     import pagedserve.model.attention as attention
     import pagedserve.model.llama as llama
-    runner = eng.runner
-    cfg = eng.model_config
-    kv_tok_layer = eng.kv_cache_bytes_per_token / cfg.num_layers
+    runner = eng.core.runner
+    cfg = eng.core.model_config
+    kv_tok_layer = eng.core.kv_cache_bytes_per_token / cfg.num_layers
     lm_head_depth = [0]
 
     lin = llama.linear
@@ -185,7 +185,7 @@ def prefill_chunks(llm, eng, a):
         d = {k: prof.time.get(k, 0.0) - before.get(k, 0.0) for k in prof.time}
         gemm = d.get("prefill GEMMs", 0.0) + d.get("decode GEMMs", 0.0) + d.get("LM head", 0.0)
         att = d.get("prefill attention", 0.0)
-        done += eng.last_stats.num_prefill_tokens
+        done += eng.core.last_stats.num_prefill_tokens
         step = d.get("step (runner)", 0.0)
         if not step:
             continue
@@ -228,13 +228,13 @@ def main():
         chunk = int(a.prefill.split(":")[1])
         llm = LLM(num_kv_blocks=4096, long_prefill_token_threshold=chunk, **kw)
         if not hasattr(llm.engine, "kv_cache_bytes_per_token"):    # older checkouts
-            llm.engine.kv_cache_bytes_per_token = llm.engine.model_config.kv_bytes_per_token(4)
+            llm.engine.core.kv_cache_bytes_per_token = llm.engine.core.model_config.kv_bytes_per_token(4)
         return prefill_chunks(llm, llm.engine, a)
     llm = LLM(num_kv_blocks=4096, max_num_seqs=64, **kw)
     eng = llm.engine
     if not hasattr(eng, "kv_cache_bytes_per_token"):    # older checkouts
-        eng.kv_cache_bytes_per_token = eng.model_config.kv_bytes_per_token(4)
-    cfg = eng.model_config
+        eng.core.kv_cache_bytes_per_token = eng.core.model_config.kv_bytes_per_token(4)
+    cfg = eng.core.model_config
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = {"qkv": (h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim), "o": (cfg.num_heads * cfg.head_dim, h),
               "gate_up": (h, 2 * i), "down": (i, h), "lm_head": (h, cfg.vocab_size)}
@@ -260,7 +260,7 @@ def main():
 
     def peak(dtype, rows):   # the best measured GEMM rate of the model's shapes at about this many rows
         return max(g["gflop_s"] for g in gemms if g["dtype"] == dtype and g["rows"] == rows)
-    wdt = str(next(eng.runner.model.parameters()).dtype).removeprefix("torch.")
+    wdt = str(next(eng.core.runner.model.parameters()).dtype).removeprefix("torch.")
     lines = []
     accounted = 0.0
     limits = {"decode GEMMs": ("GFLOP/s", peak(wdt, 64)), "prefill GEMMs": ("GFLOP/s", peak(wdt, 256)),
@@ -278,7 +278,7 @@ def main():
                   "s": round(wall - accounted, 2), "share": round((wall - accounted) / wall, 3)})
     res = {"host": name, "flags": flags, "threads": torch.get_num_threads(), "read_gb_s": round(bw, 1),
            "workload": a.workload, "requests": len(reqs), "steps": steps, "wall_s": round(wall, 2),
-           "output_tok_s": round(out_tok / wall, 1), "weights": getattr(eng.model, "weights_desc", wdt),
+           "output_tok_s": round(out_tok / wall, 1), "weights": getattr(eng.core.model, "weights_desc", wdt),
            "kv_cache_dtype": getattr(eng, "kv_cache_dtype_name", "float32"), "lines": lines, "gemms": gemms}
     print(f"host: {name} | {' '.join(flags)} | {res['threads']} threads | read {bw:.1f} GB/s")
     print("GEMM GFLOP/s (F.linear, model shapes):")

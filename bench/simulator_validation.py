@@ -71,7 +71,7 @@ def main():
     report["calibration"] = {"coef": cost.coef, "rel_error_p50": round(cost.rel_error_p50, 4),
                              "seconds": round(time.perf_counter() - t, 1)}
     from pagedserve.engine.llm_engine import LLMEngine
-    shape = shape_of_engine(LLMEngine(args))
+    shape = shape_of_engine(LLMEngine(args).core)
 
     # 2. mixed64 offline
     reqs64 = load_workload("mixed64")

@@ -55,8 +55,8 @@ def run_ours(path: str, tokens: int, repeats: int) -> dict:
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == n
     tok_s = timed(gen, tokens, repeats)
-    return {"engine": f"pagedserve --dtype {dtype} --quantization {quant}" + "".join(f" {kv}" for kv in env), "weights": llm.engine.model.weights_desc,
-            "weights_mb": round(llm.engine.weights_bytes / 2**20, 1), "tok_s": round(tok_s, 2),
+    return {"engine": f"pagedserve --dtype {dtype} --quantization {quant}" + "".join(f" {kv}" for kv in env), "weights": llm.engine.core.model.weights_desc,
+            "weights_mb": round(llm.engine.core.weights_bytes / 2**20, 1), "tok_s": round(tok_s, 2),
             "load_s": round(load_s, 2), "max_rss_mb": round(rss_mb())}
 
 

@@ -124,8 +124,8 @@ def run(configs: list[str], tokens: int, k: int, workloads: list[str], draft: st
                               seed=1000 + i if seeded else None)
     outs = [{"config": c, "load_s": round(load_s, 2), "workloads": {}} for c, (_, _, load_s) in zip(configs, llms)]
     for w in workloads:
-        acc = [{"tokens": 0, "secs": 0.0, "outputs": [], "d0": llm.engine.scheduler.spec_stats.num_draft_tokens,
-                "a0": llm.engine.scheduler.spec_stats.num_accepted_tokens} for llm, _, _ in llms]
+        acc = [{"tokens": 0, "secs": 0.0, "outputs": [], "d0": llm.engine.core.scheduler.spec_stats.num_draft_tokens,
+                "a0": llm.engine.core.scheduler.spec_stats.num_accepted_tokens} for llm, _, _ in llms]
         for i, ids in enumerate(prompt_ids(WORKLOADS[w])):
             for (llm, seeded, _), a in zip(llms, acc):
                 t = time.perf_counter()
@@ -134,7 +134,7 @@ def run(configs: list[str], tokens: int, k: int, workloads: list[str], draft: st
                 a["tokens"] += len(o.token_ids)
                 a["outputs"].append(o.token_ids)
         for (llm, _, _), a, out in zip(llms, acc, outs):
-            stats = llm.engine.scheduler.spec_stats
+            stats = llm.engine.core.scheduler.spec_stats
             drafted, accepted = stats.num_draft_tokens - a["d0"], stats.num_accepted_tokens - a["a0"]
             out["workloads"][w] = {"tok_s": round(a["tokens"] / a["secs"], 2), "tokens": a["tokens"],
                                    "seconds": round(a["secs"], 2), "draft_tokens": drafted, "accepted": accepted,

@@ -37,7 +37,7 @@ def measured_costs(prompts: list[list[int]], tokens: int, k: int) -> StepCostTab
     for m in range(k + 1):
         sc = None if m == 0 else {"method": "ngram", "num_speculative_tokens": m, "adaptive": False}
         llm = LLM(num_kv_blocks=512, speculative_config=sc)
-        core, sch = llm.engine.core, llm.engine.scheduler
+        core, sch = llm.engine.core, llm.engine.core.scheduler
         if m:                                       # every step drafts m tokens (mostly rejected: that is fine)
             sch_cands = sch._candidates
 

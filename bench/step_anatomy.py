@@ -25,7 +25,7 @@ def main():
     a = ap.parse_args()
     print(f"host: {describe()}")
     llm = LLM(a.model, num_kv_blocks=512, dtype=a.dtype, quantization=a.quantization)
-    eng, model = llm.engine, llm.engine.model
+    eng, model = llm.engine, llm.engine.core.model
     if model.fused is None:
         raise SystemExit("this path runs decode steps layer by layer: nothing to take apart")
     head = {"s": 0.0}
@@ -40,7 +40,7 @@ def main():
     sp = SamplingParams(max_tokens=a.steps + 16, ignore_eos=True)
     for i in range(a.rows):
         eng.add_request(f"r{i}", {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(a.prompt)]}, sp)
-    while eng.last_stats.num_decode_tokens != a.rows or eng.last_stats.num_prefill_tokens:
+    while eng.core.last_stats.num_decode_tokens != a.rows or eng.core.last_stats.num_prefill_tokens:
         assert all(o.error is None for o in eng.step())   # prefills, then one decode step before timing
     for _ in range(8):
         eng.step()
@@ -51,7 +51,7 @@ def main():
     for _ in range(a.steps):
         for out in eng.step():
             assert out.error is None, out.error
-        forward += eng.last_stats.forward_s
+        forward += eng.core.last_stats.forward_s
     step = time.perf_counter() - t0
     products, attention, glue = (x / a.steps * 1e3 for x in model.fused.seconds)
     n = a.steps

@@ -38,7 +38,7 @@ def run(llm, reqs, fraction: float) -> dict:
     while eng.has_unfinished_requests():
         for o in eng.step():
             got[o.request_id.rsplit("-", 2)[0]] = len(o.outputs[0].token_ids)
-        steps.append(eng.last_stats)
+        steps.append(eng.core.last_stats)
     wall = time.perf_counter() - t
     o_tok = sum(got.values())
     other = sum(s.step_s - s.forward_s - s.prepare_s - s.sample_s for s in steps)   # schedule (incl. masks) etc.

@@ -55,7 +55,7 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
     while eng.has_unfinished_requests():
         for o in eng.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
-        steps.append(eng.last_stats)
+        steps.append(eng.core.last_stats)
     wall = time.perf_counter() - t
     ok = all(got.get(r["id"]) == r["max_tokens"] for r in reqs)
     p_tok = sum(len(r["prompt_token_ids"]) for r in reqs)
@@ -64,11 +64,11 @@ def run_ours(reqs, args, kv_cache_dtype: str = "auto", dtype: str = "auto", quan
     fwd_s = sum(s.forward_s for s in steps)
     busy = [s for s in steps if s.num_running >= 48]
     busy_out = (sum(s.step_s - s.forward_s for s in busy) / max(1e-9, sum(s.step_s for s in busy))) if busy else None
-    sp = eng.scheduler.spec_stats
+    sp = eng.core.scheduler.spec_stats
     return {"engine": "pagedserve", "dtype": dtype, "quantization": quantization, "speculative": spec,
             "draft_tokens": sp.num_draft_tokens, "accepted_tokens": sp.num_accepted_tokens,
-            "weights": eng.model.weights_desc + (" batch-invariant" if invariant else ""), "weights_mb": round(eng.weights_bytes / 2**20, 1),
-            "kv_cache_dtype": eng.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
+            "weights": eng.core.model.weights_desc + (" batch-invariant" if invariant else ""), "weights_mb": round(eng.core.weights_bytes / 2**20, 1),
+            "kv_cache_dtype": eng.core.kv_cache_dtype_name, "n_requests": len(reqs), "load_s": round(load_s, 2), "wall_s": round(wall, 2),
             "prompt_tokens": p_tok, "output_tokens": o_tok, "output_tok_s": round(o_tok / wall, 2),
             "total_tok_s": round((p_tok + o_tok) / wall, 2), "token_counts_ok": ok, "steps": len(steps),
             "share_outside_forward": round(1 - fwd_s / step_s, 3),

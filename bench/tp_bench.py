@@ -89,12 +89,12 @@ def run_engine(model: str, tp: int, kind: str, reqs, max_tokens: int) -> tuple[d
     with LLM(model, dtype="float32", tensor_parallel_size=tp, num_kv_blocks=2048) as llm:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": reqs[0]}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm
-        steps0 = llm.engine.counters.steps
+        steps0 = llm.engine.core.counters.steps
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": r} for r in reqs], sp, use_tqdm=False)
         wall = time.perf_counter() - t
-        steps = llm.engine.counters.steps - steps0
-        kind_used = llm.engine.executor.tp.allreduce_kind
+        steps = llm.engine.core.counters.steps - steps0
+        kind_used = llm.engine.core.executor.tp.allreduce_kind
     os.environ.pop("PAGEDSERVE_TP_ALLREDUCE", None)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return ({"tp": tp, "allreduce": kind_used, "wall_s": round(wall, 2), "output_tok_s": round(n_out / wall, 1),

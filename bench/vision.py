@@ -100,11 +100,11 @@ def mixed(path: str, requests: int, distinct: int, caches: bool) -> None:
     llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     wall = time.perf_counter() - t0
     eng = llm.engine
-    enc = eng.scheduler.encoder
+    enc = eng.core.scheduler.encoder
     print(json.dumps({"what": "mixed workload", "caches": "prefix cache on, encoder cache default" if caches else "prefix cache off, encoder cache of one image", "requests": requests,
                       "image_requests": requests // 2, "distinct_images": distinct, "wall_s": round(wall, 3),
-                      "encoder_runs": eng.runner.encoder_runs, "encoder_cache_hits": enc.hits,
-                      "prefix_hit_tokens": eng.counters.prefix_hits}))
+                      "encoder_runs": eng.core.runner.encoder_runs, "encoder_cache_hits": enc.hits,
+                      "prefix_hit_tokens": eng.core.counters.prefix_hits}))
 
 
 def main() -> None:

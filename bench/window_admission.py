@@ -45,7 +45,7 @@ def run(folder: str, a, freeing: bool) -> dict:
               disable_hybrid_kv_cache_manager=hybrid_off)
     eng = llm.engine
     if a.family == "mistral" and not freeing:     # the other arm: the same manager keeping every block
-        eng.kv.windows = (0,) * len(eng.kv.windows)
+        eng.core.kv.windows = (0,) * len(eng.core.kv.windows)
     for i in range(a.requests):
         eng.add_request(f"r{i}", {"prompt_token_ids": [(i * 131 + j) % 40000 + 100 for j in range(a.prompt)]},
                         SamplingParams(max_tokens=a.out, ignore_eos=True))
@@ -53,11 +53,11 @@ def run(folder: str, a, freeing: bool) -> dict:
     while eng.has_unfinished_requests():
         eng.step()
         steps += 1
-        peak = max(peak, len(eng.scheduler.running))
+        peak = max(peak, len(eng.core.scheduler.running))
     wall = time.perf_counter() - t
-    res = {"freeing": freeing, "layout": eng.kv_layout.describe(), "pool_blocks": eng.kv.pool.num_usable_blocks,
-           "pool_mib": round(eng.kv_cache_bytes / 2**20, 1), "peak_running": peak, "steps": steps,
-           "preemptions": eng.scheduler.num_preemptions, "wall_s": round(wall, 2),
+    res = {"freeing": freeing, "layout": eng.core.kv_layout.describe(), "pool_blocks": eng.core.kv.pool.num_usable_blocks,
+           "pool_mib": round(eng.core.kv_cache_bytes / 2**20, 1), "peak_running": peak, "steps": steps,
+           "preemptions": eng.core.scheduler.num_preemptions, "wall_s": round(wall, 2),
            "output_tok_s": round(a.requests * a.out / wall, 1)}
     llm.shutdown()
     return res

@@ -19,20 +19,25 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.config import EngineArgs
 from pagedserve.core.encoder_cache import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, SpecStats, choose_drafts, \
-    ngram_match, update_acceptance
+from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, Drafting, SpecStats, \
+    choose_drafts, ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
 from pagedserve.core.traffic import MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, TrafficClasses, itl_floor_s, \
     least_step_rows, step_headroom
 from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError"]
+if TYPE_CHECKING:                             # numpy (the grammar's masks): not imported by the plain-Python core
+    from pagedserve.core.grammar import GrammarCompiler
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSeq", "SeqUpdate", "QueueFullError",
+           "build_kv_cache", "build_scheduler"]
 
 
 _ARGS = EngineArgs.defaults()
@@ -59,30 +64,59 @@ class SchedulerConfig:
                    args.scheduling_policy, args.max_loras)
 
 
+def build_kv_cache(args: EngineArgs, max_model_len: int, num_blocks: int, block_bytes: int,
+                   windows: tuple[int, ...] = (0,)) -> KVCacheManager:
+    """The KV cache manager of num_blocks blocks of block_bytes each, as EngineArgs ask (block size, prefix
+    caching, contiguous reservation, host blocks for swap preemption in swap_space GiB): the engine's and the
+    simulator's one way to build it."""
+    classes = TrafficClasses.parse(args.traffic_classes)
+    swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))
+    num_host = int(args.swap_space * 2**30 // block_bytes) if swaps else 0
+    reserve = max_model_len if args.kv_allocation == "contiguous" else None
+    return KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve, windows=windows)
+
+
+def build_scheduler(args: EngineArgs, max_model_len: int, kv: KVCacheManager, *,
+                    clock: Callable[[], float] = time.monotonic, encoder: EncoderCacheManager | None = None,
+                    step_cost: Callable[[list[tuple[int, int, int]]], float] | None = None,
+                    grammar: GrammarCompiler | None = None, drafting: Drafting | None = None) -> Scheduler:
+    """The scheduler as EngineArgs ask (its limits, policy, traffic classes), over kv (build_kv_cache): the
+    engine's and the simulator's one way to build it. step_cost is kept only with traffic classes (nothing
+    else reads it)."""
+    classes = TrafficClasses.parse(args.traffic_classes)
+    return Scheduler(SchedulerConfig.from_args(args, max_model_len), kv, clock, encoder, classes=classes,
+                     step_cost=step_cost if classes is not None else None, grammar=grammar, drafting=drafting)
+
+
 class Scheduler:
+    """Configured once, in the constructor (build_scheduler: from EngineArgs, for the engine and the simulator
+    alike); what it is built with does not change while it runs."""
+
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
-                 encoder: EncoderCacheManager | None = None):
+                 encoder: EncoderCacheManager | None = None, *, classes: TrafficClasses | None = None,
+                 step_cost: Callable[[list[tuple[int, int, int]]], float] | None = None,
+                 grammar: GrammarCompiler | None = None, drafting: Drafting | None = None):
+        """encoder: a vision-language model's encoder cache and budget. classes: traffic classes (--traffic-classes).
+        step_cost: predicted seconds of a step from its rows (start, tokens, samples), which sizes prefill under an
+        ITL target (with classes). grammar: masks the rows of constrained requests. drafting: running sequences
+        may draft tokens (speculative decoding)."""
         self.cfg = cfg
         self.kv = kv
-        self.encoder = encoder                    # a vision-language model's encoder cache and budget, else None
+        self.encoder = encoder
         self.clock = clock                        # injectable: the simulator runs on simulated time
+        self.classes = classes
+        self.step_cost = step_cost
+        self.grammar = grammar
+        self.drafting = drafting
+        self.spec = drafting.spec if drafting is not None else None
         self.waiting: list[tuple[tuple[int, ...], Request]] = []   # heap on Request.sort_key (a total order)
         self.running: list[Request] = []          # kept sorted by (class, priority, arrival): victims come off the end
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.static_batch: set[str] = set()       # static policy: ids of the batch in flight (running or not)
-        self.grammar = None                       # the engine's core.grammar.GrammarCompiler: masks constrained rows
-        self.spec = None                          # config.SpeculativeConfig: running sequences may draft tokens
-        self.spec_cost = None                     # spec_decode.StepCostTable (adaptive drafting), set by the engine
-        self.spec_draft_cost = None               # ... and the draft model's proposing pass by rows (draft_model)
-        self.spec_draft_read_s = 0.0              # ... and its seconds per context token read (its KV's catch-up)
-        self.spec_prefill_row_s = 0.0             # the target's seconds per prefill chunk row (set with spec_cost)
         self.spec_stats = SpecStats()
-        self.spec_prior = AcceptancePrior()
-        self.classes: TrafficClasses | None = None    # traffic classes (--traffic-classes), set by the engine
-        # predicted seconds of a step from its rows (start, tokens, samples): sizes prefill under an ITL target
-        self.step_cost: Callable[[list[tuple[int, int, int]]], float] | None = None
+        self.spec_prior = drafting.acceptance_prior() if drafting is not None else AcceptancePrior()
         self.last_limits: dict[str, str] = {}     # class name -> the limit that held it back in the last step
         self._num_admitted = 0                    # waiting requests admitted in the step being formed
         # sequences that ended (any way) since the last schedule(): the next SchedulerOutput names them, so
@@ -216,8 +250,9 @@ class Scheduler:
         # the step's cost: its one-row entries by the table (decode rows), its prefill chunks' rows at the
         # measured cost of a chunk row
         base_rows = sum(1 for _, n in plan if n == 1)
-        fixed = sum(n for _, n in plan if n > 1) * self.spec_prefill_row_s
-        cost, dcost, out = self.spec_cost, self.spec_draft_cost, {}
+        d = self.drafting
+        fixed = sum(n for _, n in plan if n > 1) * d.prefill_row_s
+        cost, dcost, out = d.cost, d.draft_cost, {}
         # no lookups when not even sure draft tokens pay for their rows (and a draft model's passes)
         k = self.spec.num_speculative_tokens
         base_s, pass_s = (cost(base_rows) + fixed, dcost(1) if dcost is not None else 0.0) if cost is not None \
@@ -244,7 +279,7 @@ class Scheduler:
         reading) is charged the share of its reading that this step's tokens are of those left to
         generate (at most SETUP_HORIZON); any other pays it whole (spec_decode's module docstring)."""
         steady = choose_drafts([Candidate(c.request, c.draft, c.acceptance) for c in cands], base_rows, base_tokens,
-                               self.spec_cost, budget, self.spec_draft_cost)
+                               self.drafting.cost, budget, self.drafting.draft_cost)
         for i in steady:
             req, c = cands[i].request, cands[i]
             left = min(req.max_tokens - req.num_output_tokens, SETUP_HORIZON)
@@ -252,12 +287,12 @@ class Scheduler:
 
     def _reading_s(self, req: Request) -> float:
         """A draft model's seconds to read the context its KV lacks."""
-        return (req.num_computed_tokens - req.num_draft_computed) * self.spec_draft_read_s
+        return (req.num_computed_tokens - req.num_draft_computed) * self.drafting.draft_read_s
 
     def _probe(self, cands: list[Candidate], base_rows: int, budget: int) -> dict[int, int]:
         """A probe (spec_decode's module docstring): the candidate of the cheapest reading, its whole
         proposal, when the prior allows one at its whole cost (the reading counted in full)."""
-        cost, dcost = self.spec_cost, self.spec_draft_cost
+        cost, dcost = self.drafting.cost, self.drafting.draft_cost
         i = min(range(len(cands)), key=lambda i: (cands[i].setup_s, -cands[i].acceptance))
         n = min(len(cands[i].draft), budget)
         extra = max(0.0, cost(base_rows + n) - cost(base_rows)) + self._reading_s(cands[i].request) + (

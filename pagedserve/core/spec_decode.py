@@ -36,6 +36,8 @@ from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from pagedserve.config import SpeculativeConfig
+
 PRIOR_ACCEPTANCE = {        # the engine-wide estimate at start, and where it drifts back to while nothing drafts:
     "ngram": 0.6,           # n-gram lookups, measured on our workloads (BENCHMARKS.md: 0.2 to 0.75)
     "draft_model": 0.8,     # a draft model is chosen to agree with its target (a failure moves it fast)
@@ -46,6 +48,22 @@ DRIFT = 0.01                # per step without a draft, the engine-wide estimate
 PROBE_EVERY = 32            # after this many steps without a draft, one sequence may draft anyway (a probe) ...
 PROBE_SHARE = 0.03          # ... when it costs at most this share of the step time since the last draft
 SETUP_HORIZON = 128         # a draft model's reading is spread over at most this many of a sequence's tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Drafting:
+    """Speculative decoding as the scheduler is built with it: the method (config.SpeculativeConfig) and,
+    for adaptive drafting, the step costs measured at start-up (measure_step_costs, measure_draft_costs)."""
+
+    spec: SpeculativeConfig
+    cost: StepCostTable | None = None        # the target's step seconds by rows (None: draft whenever proposed)
+    prefill_row_s: float = 0.0               # ... and its seconds per prefill chunk row
+    draft_cost: StepCostTable | None = None  # the draft model's proposing pass by rows (draft_model)
+    draft_read_s: float = 0.0                # ... and its seconds per context token read (its KV's catch-up)
+    prior: float | None = None               # the engine-wide acceptance at start (None: PRIOR_ACCEPTANCE's)
+
+    def acceptance_prior(self) -> AcceptancePrior:
+        return AcceptancePrior(PRIOR_ACCEPTANCE[self.spec.method] if self.prior is None else self.prior)
 
 
 def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -15,11 +15,10 @@ from pagedserve import kernels
 from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.grammar import GrammarCompiler
 from pagedserve.core.encoder_cache import EncoderCacheManager
-from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request, RequestStatus, owner_id
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import PRIOR_ACCEPTANCE, AcceptancePrior, measure_draft_costs, measure_step_costs
+from pagedserve.core.scheduler import build_kv_cache, build_scheduler
+from pagedserve.core.spec_decode import Drafting, measure_draft_costs, measure_step_costs
 from pagedserve.core.step import SchedulerOutput
 from pagedserve.core.traffic import CLASS_KEYS, TrafficClasses, itl_floor_s, reference_floor_rows, step_headroom
 from pagedserve.engine.multimodal import ImageInputs, image_limit
@@ -166,22 +165,18 @@ class EngineCore:
             else:
                 log.info("GEMM shapes: built as steps meet them (--no-warm-gemm-shapes)")
         with phase("KV pool"):
-            self._build_pool(args, cfg, layout, kv_dtype, draft)
+            encoder = self._build_pool(args, cfg, layout, kv_dtype, draft)
         with phase("finish"):
-            self._finish(args, cfg, spec, draft)
+            self._finish(args, cfg, spec, draft, encoder)
 
-    def _build_pool(self, args: EngineArgs, cfg, layout: KVLayout, kv_dtype: torch.dtype, draft) -> None:
-        """The KV pool sized, the cache manager, the scheduler and the runner (which allocates the pool)."""
+    def _build_pool(self, args: EngineArgs, cfg, layout: KVLayout, kv_dtype: torch.dtype,
+                    draft) -> EncoderCacheManager | None:
+        """The KV pool sized, the cache manager and the runner (which allocates the pool); returns a
+        vision-language model's encoder cache (for the scheduler, built last: _finish)."""
         num_blocks = self._size_kv_pool(kv_dtype)
-        classes = TrafficClasses.parse(args.traffic_classes)
-        swaps = args.preemption_mode == "swap" or any(c.preemption_mode == "swap" for c in (classes or ()))
-        num_host = int(args.swap_space * GiB // self.kv_block_bytes) if swaps else 0
-        reserve = self.max_model_len if args.kv_allocation == "contiguous" else None
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host, reserve,
-                                 windows=layout.windows)
+        self.kv = build_kv_cache(args, self.max_model_len, num_blocks, self.kv_block_bytes, layout.windows)
+        num_host = self.kv.num_host_blocks
         self.images, encoder = self._images(args, cfg)
-        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv, encoder=encoder)
-        self.scheduler.classes = classes
         if cfg.layer_windows:
             log.info("%s", window_plan(cfg, layout, self.kv_cache_bytes_per_token))
         # every rank allocates the same block ids; each holds its own KV heads (all ranks together: the plan)
@@ -201,6 +196,7 @@ class EngineCore:
             self.runner.drafter = DraftRunner(draft, num_blocks, args.block_size, kv_dtype)
         self.kv_cache_bytes = self.runner.kv_cache_bytes * self.executor.tp.size + (
             self.runner.drafter.kv_cache_bytes if draft is not None else 0)
+        return encoder
 
     def _images(self, args: EngineArgs, cfg) -> tuple[ImageInputs | None, EncoderCacheManager | None]:
         """A vision-language model's image inputs (engine/multimodal.py: the processor, the placeholder's
@@ -217,42 +213,47 @@ class EngineCore:
                  cfg.vision.image_seq_len, images.limit, budget, capacity)
         return images, EncoderCacheManager(capacity, budget)
 
-    def _finish(self, args: EngineArgs, cfg, spec, draft) -> None:
-        """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation."""
-        classes = self.scheduler.classes
+    def _finish(self, args: EngineArgs, cfg, spec, draft, encoder: EncoderCacheManager | None) -> None:
+        """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation, and the
+        scheduler built with them."""
+        classes = TrafficClasses.parse(args.traffic_classes)
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])))
-        self.scheduler.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.step_cost = None                 # the step-time model an ITL target sizes prefill with
         self.startup_itl_floor_ms = None      # traffic classes: the ITL floor by reference_floor_rows (ms)
         if classes is not None:
-            self.step_cost = self.scheduler.step_cost = self._live_cost()
+            self.step_cost = self._live_cost()
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
             self._check_floor(classes, args.strict_slo)
+        self.scheduler = build_scheduler(args, self.max_model_len, self.kv, encoder=encoder, step_cost=self.step_cost,
+                                         grammar=GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids),
+                                         drafting=self._drafting(args, spec, draft))
         self.loras = None if not args.enable_lora else LoRARegistry(     # the adapters (weights: the runner)
             args, self.runner, cfg, lambda: {r.lora_id for r in self.scheduler.requests.values()})
-        self.scheduler.spec = spec
-        if spec is not None:
-            self.scheduler.spec_prior = AcceptancePrior(PRIOR_ACCEPTANCE[spec.method])
-        if spec is not None and spec.adaptive:
-            cost, self.scheduler.spec_prefill_row_s = measure_step_costs(
-                self.executor.execute, self.kv, args, self.max_model_len, spec.num_speculative_tokens)
-            self.scheduler.spec_cost = cost
-            log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s; a prefill chunk's "
-                     "row %.2f ms", spec.method, spec.num_speculative_tokens,
-                     " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()),
-                     self.scheduler.spec_prefill_row_s * 1e3)
-            if draft is not None:
-                dcost, read_s = measure_draft_costs(self.runner.drafter, self.kv, args)
-                self.scheduler.spec_draft_cost, self.scheduler.spec_draft_read_s = dcost, read_s
-                log.info("speculative decoding: draft model %s; its proposing pass by sequences (ms) %s; reading "
-                         "context %.2f ms/token", spec.model, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in
-                                                                      dcost.as_dict().items()), read_s * 1e3)
-        elif spec is not None:
+
+    def _drafting(self, args: EngineArgs, spec, draft) -> Drafting | None:
+        """Speculative decoding's configuration of the scheduler: with adaptive drafting, the step costs
+        measured now on this host (the target's, and a draft model's)."""
+        if spec is None:
+            return None
+        if not spec.adaptive:
             log.info("speculative decoding: %s, %d draft tokens whenever proposed (adaptive off)", spec.method,
                      spec.num_speculative_tokens)
+            return Drafting(spec)
+        cost, row_s = measure_step_costs(self.executor.execute, self.kv, args, self.max_model_len,
+                                         spec.num_speculative_tokens)
+        log.info("speculative decoding: %s, up to %d draft tokens; step time by rows (ms) %s; a prefill chunk's "
+                 "row %.2f ms", spec.method, spec.num_speculative_tokens,
+                 " ".join(f"{r}:{t * 1e3:.1f}" for r, t in cost.as_dict().items()), row_s * 1e3)
+        if draft is None:
+            return Drafting(spec, cost, row_s)
+        dcost, read_s = measure_draft_costs(self.runner.drafter, self.kv, args)
+        log.info("speculative decoding: draft model %s; its proposing pass by sequences (ms) %s; reading "
+                 "context %.2f ms/token", spec.model, " ".join(f"{r}:{t * 1e3:.1f}" for r, t in
+                                                              dcost.as_dict().items()), read_s * 1e3)
+        return Drafting(spec, cost, row_s, dcost, read_s)
 
     def _check_floor(self, classes: TrafficClasses, strict: bool) -> None:
         """The ITL floor at start-up (traffic.reference_floor_rows: a decode beside the other classes' least
@@ -391,8 +392,7 @@ class EngineCore:
             self._record_stats(so, ro, step_s)
             if self.step_cost is not None and so.seqs:
                 fitted = self.step_cost.model is not None
-                self.step_cost.observe([(s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0)
-                                        for s in so.seqs], step_s)
+                self.step_cost.observe(list(self.last_stats.rows), step_s)
                 if not fitted and self.step_cost.model is not None:   # the first fit (no calibration cached)
                     self._check_floor(self.scheduler.classes, False)
         return out
@@ -425,5 +425,6 @@ class EngineCore:
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
             num_preemptions=len(so.preempted), num_admitted=so.num_admitted, num_draft_tokens=so.num_draft_tokens,
             step_s=step_s, forward_s=ro.forward_s,
-            prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s)
+            prepare_s=ro.prepare_s, propose_s=ro.propose_s, sample_s=ro.sample_s,
+            rows=tuple((s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0) for s in so.seqs))
 

@@ -30,7 +30,7 @@ import torch
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus, owner_id
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.scheduler import build_scheduler
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.outputs import EngineCoreOutputs, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import ParamError
@@ -98,10 +98,11 @@ class EncoderCore(EngineCore):
         self.workspace_bytes = self.kv_cache_bytes = self.kv_block_bytes = self.kv_cache_bytes_per_token = 0
         self.kv_cache_dtype_name = "none"
         self.kv = KVCacheManager(2, args.block_size, False)     # a ledger, no memory: no pool (docstring)
-        self.scheduler = Scheduler(SchedulerConfig.from_args(args, self.max_model_len), self.kv)
+        self.scheduler = build_scheduler(args, self.max_model_len, self.kv)
         self.runner = None
         self.loras = None
         self.step_cost = None
+        self.startup_itl_floor_ms = None
         self.eos_token_ids = ()
         self.queue: deque[Request] = deque()
 

@@ -134,8 +134,8 @@ class LLM:
         if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("mm_features")):
             raise ParamError("multi_modal_data", "multi_modal_data: beam search does not take images")
         text, prompt_ids = eng.tokenize(prompt)
-        eos = set(eng.eos_token_ids) if not sp.ignore_eos else set()
-        eng.scheduler.check_fits(len(prompt_ids), sp.max_tokens or 1)
+        eos = set(eng.info.eos_token_ids) if not sp.ignore_eos else set()
+        eng.check_fits(len(prompt_ids), sp.max_tokens or 1)
         step_params = SamplingParams(max_tokens=1, logprobs=2 * width, ignore_eos=True)
         beams = [BeamSequence([])]
         finished: list[BeamSequence] = []
@@ -144,7 +144,7 @@ class LLM:
             ids = [eng.add_request(None, {"prompt_token_ids": prompt_ids + b.tokens}, step_params) for b in beams]
             outs: dict[str, RequestOutput] = {}
             while eng.has_unfinished_requests():
-                self.beam_peak_blocks = max(self.beam_peak_blocks, eng.kv.pool.num_usable_blocks - eng.kv.num_free_blocks)
+                self.beam_peak_blocks = max(self.beam_peak_blocks, eng.stats().num_used_blocks)
                 for o in eng.step():
                     outs[o.request_id] = o
             cands = []

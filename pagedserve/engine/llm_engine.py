@@ -1,8 +1,10 @@
 """LLMEngine: the frontend of one EngineCore. add_request / step / abort: it tokenizes, builds the
 core's Request, keeps the one registry of user requests (request id -> RequestState: detokenizer,
 stop strings, logprobs, the stream's unsent deltas) and turns the core's token ids into
-RequestOutputs. The core's own state (scheduler, KV cache manager, runner, model, counters, step
-statistics) reads through `engine.<name>` (e.g. engine.scheduler, engine.kv): one owner, the core."""
+RequestOutputs. What its users may know of the core is `engine.info` (EngineInfo: limits, vocabulary, EOS
+ids, classes; frozen) and what its named methods return in values (`stats`, `scheduler_view`, `cache_view`,
+the LoRA adapters'): the core's objects (scheduler, KV cache manager, runner) stay behind `engine.core`,
+which only this class and core-side tools (the calibration, tests of the core) touch."""
 from __future__ import annotations
 
 import itertools
@@ -15,8 +17,10 @@ from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
 from pagedserve.engine.multimodal import check_image
 from pagedserve.model.loader import resolve_model
+from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
-from pagedserve.engine.outputs import RequestFailure, RequestOutput
+from pagedserve.engine.outputs import RequestFailure, RequestOutput, StepStats
+from pagedserve.engine.views import cache_view, core_stats, engine_info, scheduler_view
 from pagedserve.errors import ParamError
 from pagedserve.lora_request import LoRARequest, lora_id
 from pagedserve.sampling_params import PoolingParams, SamplingParams
@@ -34,18 +38,67 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         # a sentence-transformers encoder (BERT-like) only embeds: its core runs no KV pool (encoder_core.py)
         encoder = is_encoder_folder(resolve_model(args.model, args.revision))
+        self.args = args
         self.core = (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
+        self.info: EngineInfo = engine_info(self.core)
+        self.startup: StartupTimer = self.core.startup
         self.tokenizer = self.core.tokenizer
+        self.images = self.core.images                   # a vision-language model's image inputs (else None)
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
         self.outputs = OutputProcessor(self.tokenizer, self.core.counters)
         self._ids = itertools.count()
 
-    def __getattr__(self, name: str):
-        """The core's state and methods (read them; the core owns them)."""
-        core = self.__dict__.get("core")
-        if core is None:
-            raise AttributeError(name)
-        return getattr(core, name)
+    def shutdown(self) -> None:
+        """Stop the core's tensor-parallel workers (nothing to do with one rank). Idempotent."""
+        self.core.shutdown()
+
+    # ------------------------------------------------------------ the core's state, in values (engine thread)
+    def stats(self, shared: bool = False) -> CoreStats:
+        """The core's state now: the last step's record, running totals, queues, pool, classes (shared: also
+        the blocks sharing saved, a walk over the pool)."""
+        return core_stats(self.core, shared)
+
+    def last_step(self) -> StepStats:
+        """The last step's record alone (what a per-step hook needs; cheaper than stats())."""
+        return self.core.last_stats
+
+    def scheduler_view(self) -> dict:
+        """/debug/scheduler's queues, classes, pool and limits."""
+        return scheduler_view(self.core)
+
+    def cache_view(self) -> dict:
+        """The dashboard's pool and queues, block by block."""
+        return cache_view(self.core)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """ParamError (naming the field) when a prompt of this length with max_tokens could never run here."""
+        self.core.scheduler.check_fits(prompt_len, max_tokens)
+
+    def precompile(self, params: SamplingParams | PoolingParams) -> None:
+        """Compile a request's constraint ahead, in the caller's thread (a bad schema: ParamError)."""
+        self.core.precompile(params)
+
+    # ------------------------------------------------------------ LoRA adapters (enable_lora)
+    def lora_names(self) -> frozenset[str]:
+        """The loaded adapters' names (replaced whole on every load and unload: safe to read from any thread)."""
+        return frozenset() if self.core.loras is None else self.core.loras.names
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each loaded adapter; engine thread."""
+        return [] if self.core.loras is None else [(n, e.path) for n, e in self.core.loras.by_name.items()]
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder under `name` (ParamError names the field); engine thread."""
+        self._loras().load(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter (False: none of that name); engine thread."""
+        return self._loras().unload(name)
+
+    def _loras(self):
+        if self.core.loras is None:
+            raise ParamError("lora_name", "lora_name: the engine runs without LoRA (enable_lora)")
+        return self.core.loras
 
     def warm_idle(self) -> bool:
         """Build a slice of the GEMM shapes left from the load (EngineCore.warm_idle); True while some remain."""
@@ -60,7 +113,7 @@ class LLMEngine:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ParamError("prompt", "prompt must be a string, a list of token ids or {'prompt_token_ids': [...]}")
-        self.core.check_token_ids("prompt", ids, "prompt_token_ids")
+        self.info.check_token_ids("prompt", ids, "prompt_token_ids")
         return (prompt.get("prompt") if isinstance(prompt, dict) else None), list(ids)
 
     def _images(self, prompt, ids: list[int]) -> tuple[list[int], tuple]:
@@ -70,7 +123,7 @@ class LLMEngine:
             return ids, tuple(prompt["mm_features"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
-            if self.core.images is not None and self.core.images.token_id in ids:   # HF refuses it too
+            if self.images is not None and self.images.token_id in ids:   # HF refuses it too
                 raise ParamError("prompt", "prompt: it holds image placeholder tokens and no image was given")
             return ids, ()
         param = "multi_modal_data"
@@ -78,10 +131,10 @@ class LLMEngine:
             raise ParamError(param, f"{param}: takes {{'image': an image or a list of them}} only")
         images = data.get("image")
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if self.core.images is None:
-            raise ParamError(param, f"{param}: this model ({self.core.model_config.arch}) takes no images")
+        if self.images is None:
+            raise ParamError(param, f"{param}: this model ({self.info.arch}) takes no images")
         images = [check_image(img, f"{param}.image") for img in images]
-        return self.core.images.expand(ids, images, param)
+        return self.images.expand(ids, images, param)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, stream: bool = False, arrival_time: float | None = None,
@@ -91,11 +144,10 @@ class LLMEngine:
         hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request).
         `lora_request`: the LoRA adapter it runs with (enable_lora). `sink`: where a frontend delivers
         its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry."""
-        core = self.core
+        core, info = self.core, self.info
         pooling = None
         if isinstance(params, PoolingParams):
-            pooling = params.resolved(core.args.pooling, core.model_pooling, core.model_config.hidden_size,
-                                      core.pooling_types)
+            pooling = params.resolved(self.args.pooling, info.model_pooling, info.hidden_size, info.pooling_types)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -105,7 +157,7 @@ class LLMEngine:
                                                 "LLM.generate, not engine.add_request")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
-        classes = core.scheduler.classes
+        classes = info.traffic_classes
         if traffic_class is not None and classes is None:
             raise ParamError("traffic_class", f"traffic_class: {traffic_class!r} names a class, but the server "
                                               "runs without --traffic-classes")
@@ -113,14 +165,14 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        core.check_token_ids("stop_token_ids", params.stop_token_ids)
-        core.check_token_ids("logit_bias", params.logit_bias or ())
+        info.check_token_ids("stop_token_ids", params.stop_token_ids)
+        info.check_token_ids("logit_bias", params.logit_bias or ())
         text, ids = self.tokenize(prompt)
         ids = core.fit_prompt(ids)          # an encoder truncates as sentence-transformers does
         ids, mm = self._images(prompt, ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else core.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
         req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
-                      eos_token_ids=() if params.ignore_eos else core.eos_token_ids, priority=priority,
+                      eos_token_ids=() if params.ignore_eos else info.eos_token_ids, priority=priority,
                       traffic_class=klass,
                       num_samples=params.n, generator_seed=None if params.seed is None else params.seed % 2**64)
         if arrival_time is not None:

@@ -131,6 +131,7 @@ class StepStats:
     prepare_s: float = 0.0
     propose_s: float = 0.0                  # speculative draft_model: the draft model's passes (in prepare_s)
     sample_s: float = 0.0
+    rows: tuple[tuple[int, int, int], ...] = ()   # each sequence the step ran: (start, tokens, samples)
 
 
 @dataclass(slots=True)

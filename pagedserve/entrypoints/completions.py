@@ -72,7 +72,7 @@ def _prompt_text(st: ServerState, prompt: dict) -> str:
     if prompt["prompt"] is not None:
         return prompt["prompt"]
     ids = prompt["prompt_token_ids"]
-    V = st.engine.model_config.vocab_size
+    V = st.engine.info.vocab_size
     return st.engine.tokenizer.decode([t for t in ids if 0 <= t < V])
 
 

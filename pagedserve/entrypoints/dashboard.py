@@ -17,14 +17,10 @@ from collections import deque
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from pagedserve.core.request import RequestStatus
 
 router = APIRouter()
 STEPS_KEPT = 300
 LATENCIES_KEPT = 2000
-# block states, as the page colours them
-NULL, FREE, USED, CACHED = 0, 1, 2, 3
-STATE_NAMES = ["null", "free", "used", "cached"]
 
 
 class StateRecorder:
@@ -38,7 +34,8 @@ class StateRecorder:
     def on_step(self, engine, outputs, samples) -> None:
         """Engine thread, after each step (and after aborts, which add no step record). `samples`:
         the step's latencies as /metrics observed them (metrics.LatencySamples), kept as they are."""
-        c, s = engine.counters, engine.last_stats
+        stats = samples.stats or engine.stats()
+        c, s = stats.counters, stats.step
         now = time.monotonic()
         if c.steps != self._last_step:
             self._last_step = c.steps
@@ -55,76 +52,31 @@ class StateRecorder:
 
 
 def snapshot(engine, recorder: StateRecorder) -> dict:
-    """Everything the dashboard draws, read in the engine thread (call it between steps)."""
-    sch, kv = engine.scheduler, engine.kv
-    pool, bs, now = kv.pool, kv.block_size, time.monotonic()
-    owners: dict[int, list[list]] = {}          # block id -> [[request index, first token, last token + 1]]
-    reqs, index = [], {}
-    queue = [("running", r) for r in sch.running] + [("waiting", r) for _, r in sorted(sch.waiting, key=lambda x: x[0])]
-    for where, r in queue:
-        index[r.request_id] = len(reqs)
-        tables = kv.block_tables(r.request_id)      # one per group of layers (one for most models)
-        for table in tables:
-            for i, b in enumerate(table):
-                lo = i * bs
-                owners.setdefault(b, []).append([len(reqs), lo, min(lo + bs, max(r.num_computed_tokens, lo))])
-        table = list(tables[0])
-        entry = {"id": r.request_id, "queue": "swapped" if r.status is RequestStatus.SWAPPED else where,
-                 "status": r.status.value, "priority": r.priority, "traffic_class": sch.class_name(r),
-                 "num_computed_tokens": r.num_computed_tokens,
-                 "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
-                 "num_output_tokens": r.num_output_tokens, "blocks": table,
-                 "host_blocks": [h for hs in kv.swapped.get(r.request_id, ()) for h in hs if h is not None], "num_preemptions": r.num_preemptions,
-                 "age_s": round(now - r.arrival_time, 2), "parent": r.parent_id}
-        if where == "waiting":
-            entry["reason"] = sch.waiting_reason(r)
-            entry["blocks_needed"] = kv.new_blocks_needed(r.num_tokens - r.num_computed_tokens)
-        reqs.append(entry)
-    # O(used + cached blocks), not O(pool): most of a large pool is free and needs no visit
-    n = pool.num_blocks
-    state, ref, hashes = [FREE] * n, [0] * n, [None] * n
-    state[0] = NULL
-    for groups in kv.req_blocks.values():
-        for b in (b for blocks in groups for b in blocks):
-            if b is not pool.null_block:      # (behind a sliding window: given back)
-                state[b.block_id], ref[b.block_id] = USED, b.ref_cnt
-    for h, b in pool.cached.items():
-        hashes[b.block_id] = f"{h & 0xFFFFFFFF:08x}"
-        if b.ref_cnt == 0:
-            state[b.block_id] = CACHED
-    c, cfg = engine.counters, sch.cfg
+    """Everything the dashboard draws: the engine's cache view and stats (call it in the engine thread,
+    between steps), with the recorder's steps and latencies."""
+    stats, info = engine.stats(), engine.info
+    c = stats.counters
     return {
-        "time": round(now, 3), "step": c.steps, "model": engine.source.name,
-        "startup": startup.as_dict() if (startup := getattr(engine, "startup", None)) is not None else None,
-        "config": {"num_blocks": pool.num_blocks, "block_size": bs, "num_host_blocks": kv.num_host_blocks,
-                   "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                   "max_model_len": cfg.max_model_len, "prefix_caching": kv.enable_caching},
-        "blocks": {"state": state, "ref": ref, "hash": hashes,
-                   "owners": {str(b): o for b, o in owners.items()}, "state_names": STATE_NAMES},
-        "summary": {"free": state.count(FREE), "used": state.count(USED), "cached": state.count(CACHED),
-                    "shared": sum(1 for r in ref if r > 1), "num_free_blocks": kv.num_free_blocks,
-                    "num_cached_blocks": pool.num_cached_blocks(), "kv_usage": round(kv.usage(), 4),
-                    "running": len(sch.running), "waiting": len(sch.waiting),
-                    "swapped": sum(1 for _, r in sch.waiting if r.status is RequestStatus.SWAPPED),
-                    "host_blocks_used": sum(h is not None for v in kv.swapped.values() for hs in v for h in hs)},
-        "requests": reqs,
+        "time": round(time.monotonic(), 3), "step": c.steps, "model": info.model_name,
+        "startup": engine.startup.as_dict() if engine.startup is not None else None,
+        **engine.cache_view(),
         "steps": list(recorder.steps),
         "health": {"prefix_queries": c.prefix_queries, "prefix_hits": c.prefix_hits,
                    "prefix_hit_rate": round(c.prefix_hits / c.prefix_queries, 4) if c.prefix_queries else None,
                    "ttft_s": _dist(recorder.ttft_s), "itl_s": _dist(recorder.itl_s), "tpot_s": _dist(recorder.tpot_s),
                    "generation_tokens": c.generation_tokens, "prompt_tokens": c.prompt_tokens,
-                   "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(sch),
-                   "traffic_classes": sch.class_summary()},
+                   "preemptions": c.preemptions, "finished": dict(c.finished), "spec_decode": _spec(info, stats),
+                   "traffic_classes": None if stats.classes is None else list(stats.classes)},
     }
 
 
-def _spec(sch) -> dict | None:
+def _spec(info, stats) -> dict | None:
     """Speculative decoding's totals (None when it is off): vLLM's spec_decode counters."""
-    if sch.spec is None:
+    spec, sp = info.speculative, stats.spec
+    if spec is None:
         return None
-    sp = sch.spec_stats
-    return {"method": sch.spec.method, "draft_model": sch.spec.model, "num_speculative_tokens": sch.spec.num_speculative_tokens,
-            "adaptive": sch.spec.adaptive, "num_drafts": sp.num_drafts, "num_draft_tokens": sp.num_draft_tokens,
+    return {"method": spec.method, "draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens,
+            "adaptive": spec.adaptive, "num_drafts": sp.num_drafts, "num_draft_tokens": sp.num_draft_tokens,
             "num_accepted_tokens": sp.num_accepted_tokens, "accepted_per_pos": list(sp.accepted_per_pos),
             "acceptance_rate": round(sp.num_accepted_tokens / sp.num_draft_tokens, 4) if sp.num_draft_tokens else None}
 

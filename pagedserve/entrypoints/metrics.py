@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedserve.engine.info import CoreStats
+
 P = "pagedserve:"
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOK = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -24,9 +26,13 @@ class LatencySamples:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    stats: CoreStats | None = None          # the engine's state after the step, read once for both
 
 
 class ServerMetrics:
+    """Fed by the engine's values only: its EngineInfo here, its CoreStats after each step (on_step) and at
+    scrape time (refresh)."""
+
     def __init__(self, engine):
         r = self.registry = CollectorRegistry()
         g = lambda n, d, *lab: Gauge(P + n, d, lab, registry=r)                      # noqa: E731
@@ -40,12 +46,13 @@ class ServerMetrics:
         self.blocks_cached = g("kv_blocks_cached", "KV blocks registered in the prefix cache")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
         self.shared = g("kv_blocks_saved_by_sharing", "Blocks that sharing (n > 1, prefix hits) saved")
-        g("weights_bytes", "Bytes of model weights").set(engine.weights_bytes)
-        g("kv_cache_bytes", "Bytes of the preallocated KV pool").set(engine.kv_cache_bytes)
-        g("workspace_bytes", "Estimated bytes of activations/workspace at the step budget").set(engine.workspace_bytes)
-        g("block_size", "Tokens per KV block").set(engine.args.block_size)
-        g("max_num_seqs", "Configured max_num_seqs").set(engine.args.max_num_seqs)
-        g("max_num_batched_tokens", "Configured token budget per step").set(engine.args.max_num_batched_tokens)
+        info = engine.info
+        g("weights_bytes", "Bytes of model weights").set(info.weights_bytes)
+        g("kv_cache_bytes", "Bytes of the preallocated KV pool").set(info.kv_cache_bytes)
+        g("workspace_bytes", "Estimated bytes of activations/workspace at the step budget").set(info.workspace_bytes)
+        g("block_size", "Tokens per KV block").set(info.block_size)
+        g("max_num_seqs", "Configured max_num_seqs").set(info.max_num_seqs)
+        g("max_num_batched_tokens", "Configured token budget per step").set(info.max_num_batched_tokens)
         startup = getattr(engine, "startup", None)
         if startup is not None:                 # the start-up record (pagedserve/engine/startup.py), a gauge per phase
             phases = g("startup_phase_seconds", "Seconds each start-up phase took", "phase")
@@ -71,13 +78,12 @@ class ServerMetrics:
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         self.spec_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted draft "
                               "tokens by their position in the draft (0 = first)", "position")
-        self.encoder = engine.scheduler.encoder          # a vision-language model's encoder cache (else None)
-        if self.encoder is not None:
+        if info.has_encoder_cache:                        # a vision-language model's encoder cache
             self.encoder_hits = c("encoder_cache_hits", "Images read from the encoder cache (no encoder run)")
             self.encoder_runs = c("encoder_cache_misses", "Images encoded (not in the encoder cache)")
             self.encoder_tokens = g("encoder_cache_tokens", "Image tokens of encoder outputs held")
         # traffic classes: label values are the configured class names (bounded by --traffic-classes)
-        self.classes = engine.scheduler.classes
+        self.classes = info.traffic_classes
         if self.classes is not None:
             k = "traffic_class"
             self.class_running = g("class_num_requests_running", "Running requests per traffic class", k)
@@ -96,18 +102,19 @@ class ServerMetrics:
                     m.labels(traffic_class=klass.name)
                 if klass.itl_p99_ms is not None:
                     self.class_floor.labels(traffic_class=klass.name).set(
-                        (engine.startup_itl_floor_ms or 0.0) / 1e3)
+                        (info.startup_itl_floor_ms or 0.0) / 1e3)
         self._worst_itl: dict[str, float] = {}   # per stream: its longest gap so far (ITL SLO), with classes
         self._last: dict = {}                    # the engine's running total each counter was last advanced to
         self._tok_seen: dict[str, tuple[int, float]] = {}
-        self.blocks_total.set(engine.kv.pool.num_usable_blocks)
-        self.blocks_free.set(engine.kv.num_free_blocks)
+        self.blocks_total.set(info.num_kv_blocks)
+        self.blocks_free.set(engine.stats().num_free_blocks)
 
     def on_step(self, engine, outputs) -> LatencySamples:
         """Runs in the engine thread after each step; returns the latencies it observed (the dashboard
         keeps the same samples: one place computes them)."""
-        samples = LatencySamples()
-        s, c, sp = engine.last_stats, engine.counters, engine.scheduler.spec_stats
+        stats = engine.stats()
+        samples = LatencySamples(stats=stats)
+        s, c, sp = stats.step, stats.counters, stats.spec
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.preempted.set(s.num_preempted_waiting)
@@ -116,12 +123,14 @@ class ServerMetrics:
         self.kv_usage.set(s.kv_usage)
         totals = [(self.prefix_queries, c.prefix_queries), (self.prefix_hits, c.prefix_hits),
                   (self.preemptions, c.preemptions), (self.prompt_tokens, c.prompt_tokens),
-                  (self.generation_tokens, c.generation_tokens), (self.spec_drafts, sp.num_drafts),
-                  (self.spec_draft_tokens, sp.num_draft_tokens), (self.spec_accepted, sp.num_accepted_tokens)]
-        totals += [(self.spec_per_pos.labels(position=str(i)), n) for i, n in enumerate(sp.accepted_per_pos)]
-        if self.encoder is not None:
-            totals += [(self.encoder_hits, self.encoder.hits), (self.encoder_runs, self.encoder.misses)]
-            self.encoder_tokens.set(self.encoder.size_tokens)
+                  (self.generation_tokens, c.generation_tokens)]
+        if sp is not None:
+            totals += [(self.spec_drafts, sp.num_drafts), (self.spec_draft_tokens, sp.num_draft_tokens),
+                       (self.spec_accepted, sp.num_accepted_tokens)]
+            totals += [(self.spec_per_pos.labels(position=str(i)), n) for i, n in enumerate(sp.accepted_per_pos)]
+        if (enc := stats.encoder_cache) is not None:
+            totals += [(self.encoder_hits, enc.hits), (self.encoder_runs, enc.misses)]
+            self.encoder_tokens.set(enc.size_tokens)
         for counter, value in totals:            # prometheus counters advance by the engine totals' deltas
             if value > self._last.get(counter, 0):
                 counter.inc(value - self._last.get(counter, 0))
@@ -134,7 +143,7 @@ class ServerMetrics:
         now = time.monotonic()
         classes = self.classes
         if classes is not None:
-            self._class_gauges(engine.scheduler)
+            self._class_gauges(stats.classes)
         for out in outputs:
             # a stream's outputs are deltas (every step), any other request's one output at its end: so
             # each choice's tokens are counted as they arrive (an entry from its first token on), and a gap
@@ -171,8 +180,8 @@ class ServerMetrics:
                 samples.tpot += self.finish(out, None if counts is None else [c for c, _ in counts])
         return samples
 
-    def _class_gauges(self, sch) -> None:
-        for c in sch.class_summary():
+    def _class_gauges(self, summary) -> None:
+        for c in summary:
             self.class_running.labels(traffic_class=c["name"]).set(c["running"])
             self.class_waiting.labels(traffic_class=c["name"]).set(c["waiting"])
             if c["itl_floor_ms"] is not None:
@@ -209,11 +218,12 @@ class ServerMetrics:
         return tpots
 
     def refresh(self, engine) -> None:
-        """Cheap values read at scrape time (idle engines do not step)."""
-        self.shared.set(engine.kv.num_shared_savings())
-        self.blocks_free.set(engine.kv.num_free_blocks)
-        self.kv_usage.set(engine.kv.usage())
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+        """The gauges read at scrape time (idle engines do not step); engine thread."""
+        stats = engine.stats(shared=True)
+        self.shared.set(stats.num_shared_savings)
+        self.blocks_free.set(stats.num_free_blocks)
+        self.kv_usage.set(stats.kv_usage)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
         if self.classes is not None:
-            self._class_gauges(engine.scheduler)
+            self._class_gauges(stats.classes)

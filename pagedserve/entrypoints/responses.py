@@ -32,7 +32,7 @@ def state(http: Request) -> ServerState:
 
 
 def check_n(st: ServerState, n: int) -> None:
-    limit = st.engine.scheduler.cfg.max_num_seqs
+    limit = st.engine.info.max_num_seqs
     if n > limit:
         raise RequestError("n", f"n ({n}) exceeds max_num_seqs ({limit}): each sample is a running sequence")
 
@@ -43,7 +43,7 @@ def traffic_class(http: Request, body) -> str | None:
     if body.traffic_class is not None:
         return body.traffic_class
     named = http.headers.get("x-traffic-class")
-    return named if named and state(http).engine.scheduler.classes is not None else None
+    return named if named and state(http).engine.info.traffic_classes is not None else None
 
 
 def check_model(st: ServerState, model: str | None) -> None:
@@ -52,7 +52,7 @@ def check_model(st: ServerState, model: str | None) -> None:
     Omitted or empty is the served model (OpenAI requires the field; pagedserve, as vLLM, never has)."""
     if not model or model in st.served_model_names:
         return
-    if st.engine.loras is not None and model in st.engine.loras.names:
+    if model in st.engine.lora_names():
         return          # (whether it is still loaded when submitted is decided in the engine thread)
     raise model_not_found(st, model)
 
@@ -60,7 +60,7 @@ def check_model(st: ServerState, model: str | None) -> None:
 def model_not_found(st: ServerState, model: str) -> RequestError:
     """OpenAI's 404 for an unknown model (type invalid_request_error, code model_not_found, param model);
     on /v1/messages it is answered in Anthropic's shape (not_found_error)."""
-    names = list(st.served_model_names) + (sorted(st.engine.loras.names) if st.engine.loras is not None else [])
+    names = list(st.served_model_names) + sorted(st.engine.lora_names())
     return RequestError("model", f"The model `{model}` does not exist. The models served: "
                                  f"{', '.join(names)} (GET /v1/models lists them).", 404,
                         code="model_not_found")
@@ -70,7 +70,7 @@ def lora_of(st: ServerState, model: str | None) -> LoRARequest | None:
     """The LoRA adapter a request's `model` names (with --enable-lora): None for the served model. Whether
     an adapter of that name is loaded is decided in the engine thread, where adapters are loaded and
     unloaded (an unknown name is a 404 naming `model`)."""
-    if not st.engine.args.enable_lora or not model or model in st.served_model_names:
+    if not st.engine.info.enable_lora or not model or model in st.served_model_names:
         return None
     return LoRARequest(model)
 
@@ -90,7 +90,7 @@ async def admit(st: ServerState, http: Request, body, prefix: str, params,
     per prompt (`submit`). The engine's errors about the prompt (its length: context_length_exceeded)
     name the route's `prompt_field` (chat's `messages`, embeddings' `input`). Returns the request id
     (`prefix` + a uuid), the prompts and their streams. (Each route has checked `model` before.)"""
-    if not st.engine.generates and not isinstance(params, PoolingParams):    # an encoder: embeddings only
+    if not st.engine.info.generates and not isinstance(params, PoolingParams):    # an encoder: embeddings only
         raise RequestError("model", f"model: {model_name(st, getattr(body, 'model', None))} is an embedding model "
                                     "(an encoder); it only serves /v1/embeddings")
     check_n(st, getattr(body, "n", 1))

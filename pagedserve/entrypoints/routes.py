@@ -53,10 +53,9 @@ async def models(http: Request):
     adapter (its parent: the served model's first name)."""
     st = _state(http)
     eng = st.engine
-    base = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": eng.source.path,
-            "parent": None, "max_model_len": eng.max_model_len}
-    adapters = [] if eng.loras is None else await st.aengine.call(
-        lambda: [(name, e.path) for name, e in eng.loras.by_name.items()])
+    base = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
+            "root": eng.info.model_path, "parent": None, "max_model_len": eng.info.max_model_len}
+    adapters = [] if not eng.info.enable_lora else await st.aengine.call(eng.lora_adapters)
     return {"object": "list", "data": [base | {"id": name} for name in st.served_model_names] +
                                       [base | {"id": name, "root": path, "parent": st.model_name}
                                        for name, path in adapters]}
@@ -64,7 +63,7 @@ async def models(http: Request):
 
 # ---------------------------------------------------------------- LoRA adapters at run time (vLLM's routes)
 def _with_lora(http: Request):
-    if (st := _state(http)).engine.loras is None:
+    if not (st := _state(http)).engine.info.enable_lora:
         raise RequestError("lora_name", "lora_name: the server runs without LoRA (start it with --enable-lora)")
     return st
 
@@ -76,7 +75,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
     st = _with_lora(http)
     if body.lora_name in st.served_model_names:
         raise RequestError("lora_name", f"lora_name: {body.lora_name!r} is a served model name")
-    await st.aengine.call(lambda: st.engine.loras.load(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
+    await st.aengine.call(lambda: st.engine.load_lora(body.lora_name, body.lora_path))   # ParamError: a 400 naming it
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -84,7 +83,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, http: Request):
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, http: Request):
     """Unload an adapter: later requests naming it get a 404; those in flight finish with it."""
     st = _with_lora(http)
-    if not await st.aengine.call(lambda: st.engine.loras.unload(body.lora_name)):
+    if not await st.aengine.call(lambda: st.engine.unload_lora(body.lora_name)):
         raise RequestError("lora_name", f"lora_name: no LoRA adapter named {body.lora_name!r} is loaded", 404,
                            "NotFoundError")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -114,24 +113,8 @@ async def debug_scheduler(http: Request):
 
 def scheduler_snapshot(st) -> dict:
     """/debug/scheduler's body; engine thread only (AsyncLLMEngine.call)."""
-    eng = st.engine
-    sch, kv = eng.scheduler, eng.kv
-    waiting = sorted(sch.waiting, key=lambda x: x[0])
     return {
-        "step": eng.counters.steps,
-        "running": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
-                     "num_computed_tokens": r.num_computed_tokens,
-                     "num_tokens": r.num_tokens, "blocks": kv.num_live_blocks(r.request_id)} for r in sch.running],
-        "waiting": [{"request_id": r.request_id, "priority": r.priority, "traffic_class": sch.class_name(r),
-                     "status": r.status.value, "num_tokens": r.num_tokens, "reason": sch.waiting_reason(r)}
-                    for _, r in waiting],
-        "traffic_classes": sch.class_summary(),
-        "kv": {"blocks_total": kv.pool.num_usable_blocks, "blocks_free": kv.num_free_blocks,
-               "blocks_cached": kv.pool.num_cached_blocks(), "usage": kv.usage(), "block_size": kv.block_size},
-        "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
-                   "max_model_len": sch.cfg.max_model_len,
-                   "itl_floor_ms_at_startup": None if eng.startup_itl_floor_ms is None
-                   else round(eng.startup_itl_floor_ms, 1)},
+        **st.engine.scheduler_view(),
         # entries of every request-keyed structure: all 0 once nothing runs or waits (a soak checks it)
         "held": {**st.aengine.held(), **st.metrics.held()},
         # bounded stores that outlive their requests (their bounds are named where they are defined)
@@ -158,7 +141,7 @@ async def tokenize(body: TokenizeRequest, http: Request):
                                           chat_template=st.chat_template)
         except (ValueError, TypeError) as e:
             raise RequestError(getattr(e, "param", "messages"), str(e)) from None
-    out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids}
+    out = {"count": len(ids), "max_model_len": st.engine.info.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return out
@@ -168,7 +151,7 @@ async def tokenize(body: TokenizeRequest, http: Request):
 async def detokenize(body: DetokenizeRequest, http: Request):
     st = _state(http)
     check_model(st, body.model)
-    st.engine.check_token_ids("tokens", body.tokens)         # a 400 naming the field
+    st.engine.info.check_token_ids("tokens", body.tokens)         # a 400 naming the field
     return {"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, body.tokens)}
 
 
@@ -176,11 +159,11 @@ async def detokenize(body: DetokenizeRequest, http: Request):
 async def tokenizer_info(http: Request):
     st = _state(http)
     tok = st.engine.tokenizer
-    return {"tokenizer_class": type(tok).__name__, "vocab_size": st.engine.model_config.vocab_size,
-            "model_max_length": st.engine.max_model_len,
+    return {"tokenizer_class": type(tok).__name__, "vocab_size": st.engine.info.vocab_size,
+            "model_max_length": st.engine.info.max_model_len,
             "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id,
             "bos_token": tok.bos_token, "bos_token_id": tok.bos_token_id,
             "pad_token": tok.pad_token, "unk_token": tok.unk_token,
-            "eos_token_ids": list(st.engine.eos_token_ids),
+            "eos_token_ids": list(st.engine.info.eos_token_ids),
             "chat_template": st.chat_template or tok.chat_template,
             "add_bos_token": getattr(tok, "add_bos_token", None)}

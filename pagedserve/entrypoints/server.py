@@ -174,7 +174,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, served_model_name: 
     """engine_thread=False: the caller runs `app.state.aengine.run()` (run_server does, on the main thread).
     `served_model_name`: the name requests give as `model`, or a list of them (aliases: the first is the
     one responses report); None: the model's own name. Any other `model` is a 404 model_not_found."""
-    names = served_names(served_model_name, engine.source.name)
+    names = served_names(served_model_name, engine.info.model_name)
     app = FastAPI(title="pagedserve", description="An OpenAI-compatible server over a paged KV cache.")
     aengine = AsyncLLMEngine(engine, request_timeout_s, start_thread=engine_thread)
     metrics = ServerMetrics(engine)
@@ -291,7 +291,8 @@ def run_server(args: EngineArgs, ns, front: Front) -> int:
     if ns.step_trace:
         from pagedserve.sim.calibrate import StepTrace
         state.aengine.on_stepped = StepTrace(ns.step_trace).record
-    log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.source.name, ns.host, ns.port, engine.load_s)
+    log.info("serving %s on http://%s:%d (loaded in %.1f s)", engine.info.model_name, ns.host, ns.port,
+             engine.info.load_s)
     if ns.dashboard:
         log.info("dashboard: http://%s:%d/dashboard%s", ns.host, ns.port, "#key=<api key>" if ns.api_key else "")
     # the start-up heap (torch, transformers, the model: ~400 k objects) out of the collector's sight, as

@@ -50,6 +50,6 @@ def system_fingerprint(engine: LLMEngine) -> str:
     changes it (a client comparing fingerprints learns that outputs may differ)."""
     from pagedserve import __version__
     a = engine.args
-    key = "|".join(map(str, (__version__, engine.source.name, engine.source.path, a.dtype, a.quantization,
+    key = "|".join(map(str, (__version__, engine.info.model_name, engine.info.model_path, a.dtype, a.quantization,
                               a.kv_cache_dtype, a.tensor_parallel_size)))
     return "fp_pagedserve-" + hashlib.sha256(key.encode()).hexdigest()[:10]

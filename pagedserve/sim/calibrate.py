@@ -9,7 +9,7 @@ import time
 
 from pagedserve.config import EngineArgs
 from pagedserve.sim.cost_model import (FittedCost, ModelShape, StepFeatures, cache_path, fit, host_key, row_features,
-                                       shape_of_engine, step_features)
+                                       shape_of_engine)
 from pagedserve.sim.simulator import SimRequest, poisson_workload
 
 log = logging.getLogger("pagedserve")
@@ -32,7 +32,7 @@ def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, Mode
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.sampling_params import SamplingParams
     eng = LLMEngine(args)
-    shape = shape_of_engine(eng)
+    shape = shape_of_engine(eng.core)           # (the calibration measures the core itself)
     eng.add_request("warm-up", list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
@@ -43,7 +43,7 @@ def measure(args: EngineArgs, waves: list[list[SimRequest]]) -> tuple[list, Mode
                             SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
-            samples.append((step_features(shape, eng.last_schedule.seqs), eng.last_stats.step_s))
+            samples.append((row_features(shape, eng.last_step().rows), eng.last_step().step_s))
     return samples, shape
 
 
@@ -56,11 +56,10 @@ class StepTrace:
         self.file = open(path, "a", buffering=1)
 
     def record(self, engine) -> None:
-        so = engine.last_schedule
-        if not so.seqs:                  # nothing ran (a step that only told the runner which sequences ended)
+        s = engine.last_step()
+        if not s.rows:                   # nothing ran (a step that only told the runner which sequences ended)
             return
-        seqs = [[s.start, s.num_tokens, s.sampling.num_samples if s.sampling else 0] for s in so.seqs]
-        self.file.write(json.dumps({"step_s": engine.last_stats.step_s, "seqs": seqs}) + "\n")
+        self.file.write(json.dumps({"step_s": s.step_s, "seqs": [list(r) for r in s.rows]}) + "\n")
 
 
 def read_trace(path: str, shape: ModelShape) -> list[tuple[StepFeatures, float]]:

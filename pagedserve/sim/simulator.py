@@ -9,9 +9,8 @@ import random
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineArgs
-from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.scheduler import build_kv_cache, build_scheduler
 from pagedserve.core.traffic import TrafficClasses
 from pagedserve.errors import ParamError, QueueFullError
 from pagedserve.sampling_params import SamplingParams
@@ -131,13 +130,11 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
     """Run the workload through the real scheduler; `cost.step_time(features)` advances the clock. `watch`:
     the workload indexes the run is for; it stops once they have all finished (a flood's backlog left running)."""
     clock = [0.0]
-    classes = TrafficClasses.parse(args.traffic_classes)
-    kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                        _host_blocks(args, shape, classes), max_model_len if args.kv_allocation == "contiguous" else None)
-    sch = Scheduler(SchedulerConfig.from_args(args, max_model_len), kv, clock=lambda: clock[0])
-    sch.classes = classes
-    if classes is not None:          # the scheduler predicts steps with the model that times them
-        sch.step_cost = lambda rows: cost.step_time(row_features(shape, rows))
+    kv = build_kv_cache(args, max_model_len, num_blocks, shape.kv_bytes_per_token * args.block_size)
+    # the scheduler predicts steps (traffic classes' ITL targets) with the model that times them
+    sch = build_scheduler(args, max_model_len, kv, clock=lambda: clock[0],
+                          step_cost=lambda rows: cost.step_time(row_features(shape, rows)))
+    classes = sch.classes
     klass: dict[str, str] = {}       # request id -> its class's name
     worst: dict[str, float] = {}     # request id -> its longest inter-token gap so far
     pending = sorted(enumerate(reqs), key=lambda x: (x[1].arrival_s, x[0]), reverse=True)
@@ -198,12 +195,6 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
         res.kv_usage.append((clock[0], kv.usage()))
     res.duration_s = clock[0] - (min(r.arrival_s for r in reqs) if reqs else 0.0)
     return res
-
-
-def _host_blocks(args: EngineArgs, shape: ModelShape, classes: TrafficClasses | None = None) -> int:
-    if args.preemption_mode != "swap" and not any(c.preemption_mode == "swap" for c in (classes or ())):
-        return 0
-    return int(args.swap_space * 2**30 // (shape.kv_bytes_per_token * args.block_size))
 
 
 def num_blocks_for(kv_bytes: float, shape: ModelShape, block_size: int) -> int:

@@ -142,8 +142,8 @@ def test_max_loras_passes_over_requests_of_a_third_adapter(classes):
     adapters and of the base model pass it; it runs once an adapter's last sequence finishes. Its
     prefix hashes differ from the base model's for the same tokens."""
     from pagedserve.core.traffic import TrafficClasses
-    s = Scheduler(SchedulerConfig(max_loras=2), KVCacheManager(64, 4, True))
-    s.classes = TrafficClasses.parse(classes) if classes else None
+    s = Scheduler(SchedulerConfig(max_loras=2), KVCacheManager(64, 4, True),
+                  classes=TrafficClasses.parse(classes) if classes else None)
     reqs = [mk("a", 4), mk("b", 4), mk("c", 4), mk("a2", 4), mk("base", 4)]
     for r, lora in zip(reqs, (1, 2, 3, 1, 0)):
         r.lora_id = lora

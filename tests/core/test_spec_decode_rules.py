@@ -8,8 +8,8 @@ from pagedserve.config import EngineArgs, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.spec_decode import AcceptancePrior, Candidate, StepCostTable, choose_drafts, ngram_match, \
-    propose_ngram
+from pagedserve.core.spec_decode import AcceptancePrior, Candidate, Drafting, StepCostTable, choose_drafts, \
+    ngram_match, propose_ngram
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -93,10 +93,10 @@ def test_a_rule_that_never_drafts_probes_one_sequence_now_and_then():
     almost always: after PROBE_EVERY steps without a draft, one sequence drafts once what it costs is
     within PROBE_SHARE of the step time since; what it measures moves the prior."""
     from pagedserve.core.spec_decode import PROBE_EVERY, PROBE_SHARE
-    sch, kv = _sched(k=4, bs=4, blocks=128)
-    sch.spec = SpeculativeConfig("draft_model", 4, model="x")
-    sch.spec_cost = StepCostTable([1, 5], [0.040, 0.070])          # 5 rows: 1.75x one
-    sch.spec_draft_cost = StepCostTable([1], [0.020])               # a pass costs half a step: at 0.6 none pays
+    # 5 rows: 1.75x one; a pass costs half a step: at a prior of 0.6 none pays
+    sch, kv = _sched(blocks=128, drafting=Drafting(SpeculativeConfig("draft_model", 4, model="x"),
+                                                   StepCostTable([1, 5], [0.040, 0.070]),
+                                                   draft_cost=StepCostTable([1], [0.020]), prior=0.6))
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=250), 250)
     sch.add_request(r)
     list(sch.update_from_output(sch.schedule(), {"a": [4]}))        # the prompt's step: the first without a draft
@@ -166,10 +166,10 @@ def test_speculative_config_parses_vllm_json_and_refuses_what_it_cannot_serve():
         EngineArgs(speculative_config={"method": "ngram"}, scheduling_policy="static")
 
 
-def _sched(k: int = 4, blocks: int = 64, bs: int = 4, budget: int = 64):
+def _sched(k: int = 4, blocks: int = 64, bs: int = 4, budget: int = 64, drafting: Drafting | None = None):
     kv = KVCacheManager(blocks, bs, enable_caching=True)
-    sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=256), kv)
-    sch.spec = SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+    sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=256), kv,
+                    drafting=drafting or Drafting(SpeculativeConfig(num_speculative_tokens=k, adaptive=False)))
     return sch, kv
 
 

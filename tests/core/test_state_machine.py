@@ -16,6 +16,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from pagedserve.config import SpeculativeConfig
+from pagedserve.core.spec_decode import Drafting
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
@@ -52,14 +53,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         # (Mistral), or full and sliding groups sharing the pool (Gemma)
         self.kv = KVCacheManager(num_blocks, block_size, caching, host_blocks if mode == "swap" or classes == 2 else 0,
                                  windows=windows)
+        # spec: drafts whenever an n-gram matches (no cost table: adaptive off)
         self.sch = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                              max_model_len=96, long_prefill_token_threshold=chunk,
-                                             preemption_mode=mode), self.kv)
-        self.sch.classes = TrafficClasses.parse(CLASSES[classes])
-        if classes == 2:
-            self.sch.step_cost = fake_cost
-        if spec:                     # drafts whenever an n-gram matches (no cost table: adaptive off)
-            self.sch.spec = SpeculativeConfig(num_speculative_tokens=spec, adaptive=False)
+                                             preemption_mode=mode), self.kv,
+                             classes=TrafficClasses.parse(CLASSES[classes]),
+                             step_cost=fake_cost if classes == 2 else None,
+                             drafting=Drafting(SpeculativeConfig(num_speculative_tokens=spec, adaptive=False))
+                             if spec else None)
         self.users: dict[str, list[Request]] = {}     # user request -> its sequences
         self.next_id = 0
 

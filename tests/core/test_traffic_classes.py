@@ -24,10 +24,19 @@ def mk(rid, n, klass, max_tokens=8, samples=1):
     return r
 
 
-def sched(classes, num_blocks=64, bs=4, **kw):
-    s = Scheduler(SchedulerConfig(**kw), KVCacheManager(num_blocks, bs, False, 32))   # 32 host blocks (swap)
-    s.classes = TrafficClasses.parse(classes)
-    return s
+def sched(classes, num_blocks=64, bs=4, step_cost=None, **kw):
+    return Scheduler(SchedulerConfig(**kw), KVCacheManager(num_blocks, bs, False, 32),   # 32 host blocks (swap)
+                     classes=TrafficClasses.parse(classes), step_cost=step_cost)
+
+
+class Cost:
+    """A step-time model a test changes mid-run (as the engine's LiveCost is refitted while it serves)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, rows):
+        return self.f(rows)
 
 
 def step(s):
@@ -167,8 +176,8 @@ def test_a_class_s_waiting_queue_is_bounded():
 
 
 def test_an_itl_target_cuts_lower_class_prefill_to_the_predicted_step_time():
-    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
-    s.step_cost = lambda rows: 0.010 + 0.0005 * sum(n for _, n, _ in rows)      # 10 ms + 0.5 ms a token
+    cost = Cost(lambda rows: 0.010 + 0.0005 * sum(n for _, n, _ in rows))      # 10 ms + 0.5 ms a token
+    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256, step_cost=cost)
     s.add_request(mk("i0", 8, 0, max_tokens=100))
     step(s)                                              # i0 prefilled; it decodes from now on
     s.add_request(mk("b0", 400, 1))
@@ -180,7 +189,7 @@ def test_an_itl_target_cuts_lower_class_prefill_to_the_predicted_step_time():
     assert s.step_cost([(8, 1, 1), (0, got["b0"], 0)]) <= target
     assert "prefill cut" in s.last_limits["batch"]
     # decodes so slow that no prefill fits: a step still takes MIN_PREFILL_CHUNK tokens of it
-    s.step_cost = lambda rows: 1.0
+    cost.f = lambda rows: 1.0
     list(s.update_from_output(so, {"i0": [5]}))
     assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"i0": 1, "b0": MIN_PREFILL_CHUNK}
 
@@ -189,16 +198,16 @@ def test_without_an_itl_class_decoding_prefill_is_cut_only_by_a_ttft_target():
     """An ITL target acts while its class decodes; a TTFT target bounds every step to half of it (an
     arrival waits for the step in flight, then takes its own)."""
     itl_only = [{"name": "interactive", "priority": 0, "itl_p99_ms": 150}, {"name": "batch", "priority": 10}]
-    s = sched(itl_only, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
-    s.step_cost = lambda rows: 1.0
+    s = sched(itl_only, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256,
+              step_cost=lambda rows: 1.0)
     s.add_request(mk("b0", 400, 1))
     assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b0": 400}
-    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256)
-    s.step_cost = lambda rows: 0.0005 * sum(n for _, n, _ in rows)       # 0.5 ms a token
+    s = sched(TWO, max_num_batched_tokens=512, long_prefill_token_threshold=512, num_blocks=256,
+              step_cost=lambda rows: 0.0005 * sum(n for _, n, _ in rows))       # 0.5 ms a token
     s.add_request(mk("b0", 400, 1))                     # nothing interactive runs: 0.8 x 1000 ms / 2 bounds it,
     assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b0": 400}     # and 200 ms fits
-    s = sched(TWO, max_num_batched_tokens=2048, long_prefill_token_threshold=2048, num_blocks=1024)
-    s.step_cost = lambda rows: 0.0005 * sum(n for _, n, _ in rows)
+    s = sched(TWO, max_num_batched_tokens=2048, long_prefill_token_threshold=2048, num_blocks=1024,
+              step_cost=lambda rows: 0.0005 * sum(n for _, n, _ in rows))
     s.add_request(mk("b1", 2000, 1))
     assert {q.request_id: q.num_tokens for q in s.schedule().seqs} == {"b1": 800}   # 0.4 s at 0.5 ms a token
 
@@ -206,11 +215,10 @@ def test_without_an_itl_class_decoding_prefill_is_cut_only_by_a_ttft_target():
 def test_under_an_itl_target_lower_class_decodes_take_turns():
     """Decodes of a class without a target that would push the step past the target wait for a later
     step, longest-waiting first: every batch sequence still decodes, in turn."""
-    s = sched(TWO, num_blocks=256)
+    s = sched(TWO, num_blocks=256, step_cost=lambda rows: 0.020 * len(rows))   # 20 ms a row: 6 fit under 0.8 x 150 ms
     for i in range(10):
         s.add_request(mk(f"b{i}", 4, 1, max_tokens=50))
     step(s)                                              # every batch request prefilled; all decode from now
-    s.step_cost = lambda rows: 0.020 * len(rows)         # 20 ms a row: 6 rows fit under 0.8 x 150 ms
     s.add_request(mk("i0", 4, 0, max_tokens=50))
     step(s)                                              # i0 prefilled (the cap needs a decoding i0)
     seen = []
@@ -243,8 +251,8 @@ def test_the_floor_is_the_least_step_the_rules_guarantee_on_a_fake_cost():
     assert reference_floor_rows(0, 2048) == [(MIN_PREFILL_CHUNK, 1, 1)]
     # the scheduler's floor reads its own queues: i0 decoding, b0/b1 decoding, b2 mid-prompt, b3 waiting
     s = sched(TWO, num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=64)
-    assert s.itl_floor_s() is None                     # no step-time model yet
-    s.step_cost = row_cost
+    assert s.itl_floor_s() is None                     # no step-time model
+    s = sched(TWO, num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=64, step_cost=row_cost)
     for rid, n in (("b0", 20), ("b1", 40)):
         s.add_request(mk(rid, n, 1, max_tokens=50))
     step(s)
@@ -290,8 +298,7 @@ def test_no_step_passes_the_target_when_the_target_is_over_the_floor(data):
     classes = [{"name": "interactive", "priority": 0, "itl_p99_ms": target_ms}, {"name": "batch", "priority": 10}]
     s = sched(classes, num_blocks=data.draw(st.integers(64, 600), label="blocks"), bs=16,
               max_num_batched_tokens=256, long_prefill_token_threshold=data.draw(st.sampled_from([32, 128, 256])),
-              max_num_seqs=data.draw(st.integers(2, 16), label="max_num_seqs"))
-    s.step_cost = row_cost
+              max_num_seqs=data.draw(st.integers(2, 16), label="max_num_seqs"), step_cost=row_cost)
     held = 0
     for k in range(data.draw(st.integers(5, 40), label="steps")):
         for j in range(data.draw(st.integers(0, 3))):

@@ -48,7 +48,7 @@ def _run(model: str, tp: int, prompts, params, **kw):
         kw["num_kv_blocks"] = 1 + (TIGHT["num_kv_blocks"] - 1) * cfg.num_layers // cfg.kv_layout.planes
     with LLM(model, tensor_parallel_size=tp, **{**TIGHT, **kw}) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return outs, llm.engine.counters.preemptions
+        return outs, llm.engine.core.counters.preemptions
 
 
 def check_tp2_equals_tp1(model: str, backend: str) -> None:
@@ -147,7 +147,7 @@ def test_a_dead_worker_fails_the_engine_instead_of_hanging_it(small_llama):
             llm.generate(["hello"] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
         assert time.monotonic() - t0 < 60
         with pytest.raises(EngineDeadError):        # and it stays dead, it does not run half a model
-            llm.engine.executor.execute(llm.engine.last_schedule)
+            llm.engine.core.executor.execute(llm.engine.core.last_schedule)
     finally:
         llm.shutdown()
     assert _children() == []

@@ -35,7 +35,7 @@ def run(workload, one_at_a_time=False, extra=(), **engine_args):
         outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, *extra]], [*params, *noise],
                             use_tqdm=False)[:len(prompts)]
     eng = llm.engine
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks and not eng.states
+    assert eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks and not eng.states
     return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
             for o in outs], eng
 
@@ -62,7 +62,7 @@ CONFIGS = {
 def test_same_bits_however_the_steps_are_formed(workload, reference, name):
     got, eng = run(workload, **CONFIGS[name])
     if name in ("recompute", "swap"):
-        assert eng.counters.preemptions > 0
+        assert eng.core.counters.preemptions > 0
     for i, (a, b) in enumerate(zip(got, reference)):
         assert a[0] == b[0], f"{name}: request {i}'s tokens differ"
         assert a[1] == b[1], f"{name}: request {i}'s logprobs differ"

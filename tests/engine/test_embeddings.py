@@ -70,7 +70,7 @@ def test_embeddings_equal_transformers(model, pooling, normalize):
         _close(again[0].outputs.embedding, torch.tensor(outs[3].outputs.embedding))   # after a prefix hit (LAST)
         #                                                  or a recompute (MEAN, CLS: the cache is skipped)
         eng = llm.engine
-        assert not eng.states and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+        assert not eng.states and eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
 
 
 def test_embeddings_beside_generations_and_under_preemption(model):
@@ -92,18 +92,18 @@ def test_embeddings_beside_generations_and_under_preemption(model):
             eng.add_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams("MEAN", False))
         eng.add_request("cut", {"prompt_token_ids": max(prompts, key=len)}, PoolingParams("MEAN", False), priority=-1)
         done = {}
-        while "cut" not in eng.runner.pool_sums:       # part of its prompt pooled (the runner's partial sum) ...
+        while "cut" not in eng.core.runner.pool_sums:       # part of its prompt pooled (the runner's partial sum) ...
             eng.step()
         assert eng.abort("cut").outputs[0].finish_reason == "abort"     # ... then its client goes away
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
                     done[o.request_id] = o
-        assert eng.counters.preemptions > 0, "the pool was meant to be too small"
+        assert eng.core.counters.preemptions > 0, "the pool was meant to be too small"
         assert [done[f"g{i}"].outputs[0].token_ids for i in range(2)] == alone
         for i, p in enumerate(prompts):
             _close(done[f"e{i}"].embedding, _hf(hf, p, "MEAN", False))
-        assert not eng.states and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+        assert not eng.states and eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
         assert not any(eng.held().values()), eng.held()         # the runner's partial sums included
 
 

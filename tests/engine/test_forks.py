@@ -17,11 +17,11 @@ def test_forks_survive_preemption(mode, n):
     sp = SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     eng = llm.engine
-    assert eng.counters.preemptions > 0
+    assert eng.core.counters.preemptions > 0
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [40] * (6 * n)
     assert all(c.finish_reason == "length" for o in outs for c in o.outputs)
-    assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:]) and not eng.kv.swapped
-    assert not eng.scheduler.requests and not eng.states
+    assert all(b.ref_cnt == 0 for b in eng.core.kv.pool.blocks[1:]) and not eng.core.kv.swapped
+    assert not eng.core.scheduler.requests and not eng.states
 
 
 def test_forks_count_against_max_num_seqs():

@@ -29,10 +29,10 @@ def run(workload, one_at_a_time=False, **engine_args):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng = llm.engine
     # no leaks: every block is free again (blocks kept by the prefix cache are free and reclaimable)
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
-    assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:])
-    assert not eng.kv.req_blocks and not eng.kv.swapped and len(eng.kv.host_free) == eng.kv.num_host_blocks
-    assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.states
+    assert eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in eng.core.kv.pool.blocks[1:])
+    assert not eng.core.kv.req_blocks and not eng.core.kv.swapped and len(eng.core.kv.host_free) == eng.core.kv.num_host_blocks
+    assert not eng.core.scheduler.running and not eng.core.scheduler.waiting and not eng.states
     return [o.outputs[0].token_ids for o in outs], eng
 
 
@@ -62,7 +62,7 @@ def test_same_tokens(workload, reference, name):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_same_tokens_under_preemption(workload, reference, mode):
     got, eng = run(workload, num_kv_blocks=40, block_size=16, preemption_mode=mode, swap_space=0.1)
-    assert eng.counters.preemptions > 0
+    assert eng.core.counters.preemptions > 0
     assert got == reference
 
 
@@ -73,4 +73,4 @@ def test_prefix_cache_hits_are_counted(workload):
     llm.generate([p], SamplingParams(max_tokens=2), use_tqdm=False)
     out = llm.generate([p], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.num_cached_tokens == (len(prompts[10]) - 1) // 16 * 16
-    assert llm.engine.counters.prefix_hits >= out.num_cached_tokens
+    assert llm.engine.core.counters.prefix_hits >= out.num_cached_tokens

@@ -25,7 +25,7 @@ def _greedy(llm):
 def _packed(llm):
     from pagedserve.model.quant import PackedLinear
     eng = getattr(llm, "engine", llm)
-    return [m.weight for m in eng.model.modules() if isinstance(m, PackedLinear)]
+    return [m.weight for m in eng.core.model.modules() if isinstance(m, PackedLinear)]
 
 
 def _assert_logprobs_close(ref, other, name):
@@ -40,7 +40,7 @@ def _assert_logprobs_close(ref, other, name):
 
 @pytest.fixture(scope="module")
 def fp32_greedy(llm):
-    assert llm.engine.kv_cache_dtype_name == "float32"
+    assert llm.engine.core.kv_cache_dtype_name == "float32"
     return _greedy(llm)
 
 
@@ -52,8 +52,8 @@ def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
     other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
     # packed weights multiply int8-rounded activations (qmatmul_q8) unless float32 was asked for
     assert all(w.int8_act == (quant != "none" and dtype != "float32") for w in _packed(other))
-    want = {"int8": 1, "float32": 4, "bfloat16": 2}.get(kv, other.engine.model.norm.dtype.itemsize)   # auto: as --dtype
-    assert other.engine.runner.kv_cache.dtype.itemsize == want
+    want = {"int8": 1, "float32": 4, "bfloat16": 2}.get(kv, other.engine.core.model.norm.dtype.itemsize)   # auto: as --dtype
+    assert other.engine.core.runner.kv_cache.dtype.itemsize == want
     _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv} --quantization {quant}")
 
 
@@ -74,7 +74,7 @@ def test_chosen_path_is_logged(caplog):
     assert f"dtype {want} ({why})" in caplog.text
     plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
     assert f"({want} packed I8 x 121)" in plan      # 30 x 4 fused matrices + the tied embedding
-    assert eng.weights_bytes < 0.3 * 4 * 134e6     # int8 + scales vs 134M float32 weights
+    assert eng.core.weights_bytes < 0.3 * 4 * 134e6     # int8 + scales vs 134M float32 weights
 
 
 def test_default_flags_keep_the_file_packed_beside_a_dense_copy(caplog):
@@ -82,14 +82,14 @@ def test_default_flags_keep_the_file_packed_beside_a_dense_copy(caplog):
     dense copy for many-row ones, logged with the reason; --dtype float32 stays dense (the exact path)."""
     with caplog.at_level("INFO", logger="pagedserve"):
         eng = LLM(num_kv_blocks=64).engine
-    assert eng.quantization == "gguf" and "quantization gguf (auto: the GGUF file's blocks packed" in caplog.text
-    assert eng.model.weights_desc.endswith("+ dense copies")      # (the load itself may be cached: no log line)
+    assert eng.core.quantization == "gguf" and "quantization gguf (auto: the GGUF file's blocks packed" in caplog.text
+    assert eng.core.model.weights_desc.endswith("+ dense copies")      # (the load itself may be cached: no log line)
     packed = _packed(eng)
     assert packed and all(w.dense is not None and w.int8_act for w in packed)
     caplog.clear()
     with caplog.at_level("INFO", logger="pagedserve"):
         eng = LLM(num_kv_blocks=64, dtype="float32").engine
-    assert eng.quantization == "none" and "auto: dense for --dtype float32" in caplog.text and not _packed(eng)
+    assert eng.core.quantization == "none" and "auto: dense for --dtype float32" in caplog.text and not _packed(eng)
 
 
 def test_same_memory_admits_more_tokens():
@@ -97,12 +97,12 @@ def test_same_memory_admits_more_tokens():
     blocks = {}
     for kv in ("float32", "bfloat16", "int8"):
         eng = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv).engine
-        c = eng.model_config
+        c = eng.core.model_config
         per_head = {"float32": 4 * c.head_dim, "bfloat16": 2 * c.head_dim, "int8": c.head_dim + 4}[kv]
-        assert eng.kv_cache_bytes_per_token == 2 * c.num_layers * c.num_kv_heads * per_head
-        assert eng.kv_cache_bytes == eng.kv.pool.num_blocks * eng.args.block_size * eng.kv_cache_bytes_per_token
-        assert eng.kv_cache_bytes <= 64 * 2**20
-        blocks[kv] = eng.kv.pool.num_blocks
+        assert eng.core.kv_cache_bytes_per_token == 2 * c.num_layers * c.num_kv_heads * per_head
+        assert eng.core.kv_cache_bytes == eng.core.kv.pool.num_blocks * eng.args.block_size * eng.core.kv_cache_bytes_per_token
+        assert eng.core.kv_cache_bytes <= 64 * 2**20
+        blocks[kv] = eng.core.kv.pool.num_blocks
     assert blocks["bfloat16"] == pytest.approx(2 * blocks["float32"], abs=1)
     assert blocks["int8"] == pytest.approx(4 * 64 / 68 * blocks["float32"], abs=2)
 
@@ -115,6 +115,6 @@ def test_int8_scales_travel_with_swapped_blocks():
     roomy = LLM(num_kv_blocks=512, kv_cache_dtype="int8", dtype="float32").generate(prompts, sp, use_tqdm=False)
     tight = LLM(num_kv_blocks=24, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05, dtype="float32")
     got = tight.generate(prompts, sp, use_tqdm=False)
-    assert tight.engine.counters.preemptions > 0, "the pool was meant to be too small"
-    assert tight.engine.runner.host_scales.abs().sum() > 0, "preemptions were meant to swap, not recompute"
+    assert tight.engine.core.counters.preemptions > 0, "the pool was meant to be too small"
+    assert tight.engine.core.runner.host_scales.abs().sum() > 0, "preemptions were meant to swap, not recompute"
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in roomy]

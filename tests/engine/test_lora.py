@@ -63,13 +63,13 @@ def _check_mixed_batch(d, models, **engine):
     of all three): each equal to HF on PEFT's merged model."""
     llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", num_kv_blocks=256, **engine)
     steps = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.engine.core.scheduler.schedule
 
     def spy():
         so = schedule()
         steps.append({s.lora_id for s in so.seqs})
         return so
-    llm.engine.scheduler.schedule = spy
+    llm.engine.core.scheduler.schedule = spy
     prompts = _prompts(models[None].config.vocab_size)
     names = [None, "A", "B"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in names], GREEDY, use_tqdm=False,
@@ -100,7 +100,7 @@ def test_adapter_rows_of_packed_weights_in_the_fused_decode_step(llama):
     d, models = llama
     llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", quantization="int8",
               num_kv_blocks=256, enable_prefix_caching=False)
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert packed_up_to(model).startswith("decode steps: every layer in one native call")
     prompts, names = _prompts(models[None].config.vocab_size), [None, "A", "B"]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -141,7 +141,7 @@ def test_an_adapted_rows_fused_deltas_do_not_depend_on_the_rows_beside_it(llama)
     d, models = llama
     llm = LLM(str(d / "base"), enable_lora=True, max_loras=2, dtype="float32", quantization="int8",
               num_kv_blocks=256, enable_prefix_caching=False, max_num_seqs=16)
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert packed_up_to(model, 16).startswith("decode steps: every layer in one native call")
     head, head_rows = model.embed_tokens.weight, getattr(model.embed_tokens.weight, "small_m", None)
     if head_rows is not None:           # the packed LM head too: one kernel for 1 and for 10 rows
@@ -198,13 +198,13 @@ def test_max_loras_bounds_the_adapters_of_a_step(llama):
     d, models = llama
     llm = LLM(str(d / "base"), enable_lora=True, max_loras=1, dtype="float32", num_kv_blocks=256)
     steps = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.engine.core.scheduler.schedule
 
     def spy():
         so = schedule()
         steps.append({s.lora_id for s in so.seqs} - {0})
         return so
-    llm.engine.scheduler.schedule = spy
+    llm.engine.core.scheduler.schedule = spy
     prompts = _prompts(models[None].config.vocab_size)
     names = ["A", None, "B", "A", "B"]
     outs = llm.generate([{"prompt_token_ids": prompts[i % 3]} for i in range(len(names))], GREEDY, use_tqdm=False,
@@ -268,7 +268,7 @@ def test_moe_experts_are_refused_attention_adapters_run(tmp_path, tokenizer):
     assert_greedy_match(out.outputs[0].token_ids, ref, lps)
     _adapter(hf, tmp_path / "mlp", ["gate_proj", "up_proj"], 4, 2)     # PEFT adapts the fused experts module
     with pytest.raises(ValueError, match=r"lora_path: .*mlp\.experts\.lora_[AB].*mixture-of-experts layers are not"):
-        llm.engine.loras.load("mlp", str(tmp_path / "mlp"))
+        llm.engine.core.loras.load("mlp", str(tmp_path / "mlp"))
 
 
 def test_served_adapters_with_the_openai_sdk(llama):
@@ -329,7 +329,7 @@ def test_served_adapters_with_the_openai_sdk(llama):
         assert [m.id for m in client.models.list().data] == ["base", "A"]
         held = httpx.get(url + "/debug/scheduler").json()["held"]
         assert all(v == 0 for v in held.values()), held
-    assert eng.runner.lora.adapters.keys() == {eng.loras.get("A").lora_id}, "B's weights were dropped"
+    assert eng.core.runner.lora.adapters.keys() == {eng.core.loras.get("A").lora_id}, "B's weights were dropped"
 
 
 def test_cli_flags_are_vllms(llama):

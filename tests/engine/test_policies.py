@@ -14,9 +14,9 @@ def _run(**kw):
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o.outputs[0].token_ids
-        peak_running = max(peak_running, len(eng.scheduler.running))
+        peak_running = max(peak_running, len(eng.core.scheduler.running))
         steps += 1
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+    assert eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
     return [outs[str(i)] for i in range(len(PROMPTS))], peak_running, steps
 
 

@@ -48,7 +48,7 @@ def test_prompt_logprobs_chunked_and_with_a_cached_prefix(hf_model):
     assert warm.prompt_token_ids == out.prompt_token_ids
     assert out.num_cached_tokens == 0
     _check_against_hf(hf_model, out.prompt_token_ids, out.prompt_logprobs, 0)
-    assert eng.engine.kv.num_free_blocks == eng.engine.kv.pool.num_usable_blocks
+    assert eng.engine.core.kv.num_free_blocks == eng.engine.core.kv.pool.num_usable_blocks
 
 
 def test_prompt_logprobs_with_n_and_streaming(llm):
@@ -78,13 +78,13 @@ def test_prompt_logprobs_survive_preemption(llm, mode, n):
     tight = LLM(num_kv_blocks=20, block_size=16, dtype="float32", preemption_mode=mode, swap_space=0.05,
                 max_num_batched_tokens=32, long_prefill_token_threshold=32)
     outs = tight.generate(prompts, sp, use_tqdm=False)
-    assert tight.engine.counters.preemptions > 0
+    assert tight.engine.core.counters.preemptions > 0
     assert all(o.finish_reason == "length" and len(o.token_ids) == 30 for out in outs for o in out.outputs)
     for a, b in zip(outs, ref):
         assert len(a.prompt_logprobs) == 60 and a.prompt_logprobs[0] is None
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-    assert all(blk.ref_cnt == 0 for blk in tight.engine.kv.pool.blocks[1:])
+    assert all(blk.ref_cnt == 0 for blk in tight.engine.core.kv.pool.blocks[1:])
 
 
 def test_prompt_logprob_rows_in_the_schedule():

@@ -51,7 +51,7 @@ def fresh_process(chat_prompt_ids, tmp_path_factory):
 def test_pinned_row_counts_and_a_fresh_process_answer_alike(chat_prompt_ids, fresh_process, monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_PACKED_ROWS", raising=False)
     llm = LLM(packed_rows=len(chat_prompt_ids), num_kv_blocks=256)   # decode steps of the batch: all packed
-    assert llm.engine.model.fused.max_rows == len(chat_prompt_ids)
+    assert llm.engine.core.model.fused.max_rows == len(chat_prompt_ids)
     here = json.loads(json.dumps(_run(llm, chat_prompt_ids)))         # the subprocess's JSON floats
     for mode in ("first", "one", "all"):
         pairs = [(here[mode], fresh_process[mode])] if mode == "first" else zip(here[mode], fresh_process[mode])
@@ -69,7 +69,7 @@ def test_prompt_steps_take_the_dense_copy(monkeypatch):
     of decode rows with the packed kernels: which one is read from the step, not from a timing."""
     from pagedserve.model.quant import Packed
     llm = LLM(num_kv_blocks=64)
-    model = llm.engine.model
+    model = llm.engine.core.model
     if not any(isinstance(m.weight, Packed) and m.weight.dense is not None
                for layer in model.layers for m in layer.products()):
         pytest.skip("default flags give no packed weights with dense copies on this host (no AVX-512 BF16, "

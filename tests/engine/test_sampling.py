@@ -16,16 +16,16 @@ def test_n4_shares_prompt_blocks(llm):
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
-        used = eng.kv.pool.num_usable_blocks - eng.kv.num_free_blocks
+        used = eng.core.kv.pool.num_usable_blocks - eng.core.kv.num_free_blocks
         peak = max(peak, used)
-        saved = max(saved, eng.kv.num_shared_savings())
+        saved = max(saved, eng.core.kv.num_shared_savings())
     out = outs[-1]
     assert len(out.outputs) == 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     independent = 4 * -(-(100 + 8) // 16)                        # 4 private copies: 28 blocks
     assert peak <= 7 + 3 and peak < independent                   # 6 shared full blocks + 4 private tails
     assert saved == 3 * 7        # right after the fork all 7 prompt blocks have refcount 4 (the partial one until CoW)
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+    assert eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
 
 
 def test_beam_search_width1_equals_greedy_and_shares_blocks(llm):
@@ -37,7 +37,7 @@ def test_beam_search_width1_equals_greedy_and_shares_blocks(llm):
     assert len(out.outputs) == 4
     independent = 4 * -(-(100 + 4) // 16)
     assert llm.beam_peak_blocks < independent                     # beams share the prompt's cached blocks
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 def test_use_beam_search_through_generate(llm):
@@ -70,7 +70,7 @@ def test_stop_strings_truncate_and_stop_tokens(llm):
 
 
 def test_min_tokens_and_logprobs(llm):
-    eos = llm.engine.eos_token_ids[0]
+    eos = llm.engine.core.eos_token_ids[0]
     o = llm.generate([PROMPT], SamplingParams(max_tokens=10, min_tokens=10, stop_token_ids=[eos], logprobs=3),
                      use_tqdm=False)[0].outputs[0]
     assert len(o.token_ids) == 10 and len(o.logprobs) == 10
@@ -149,13 +149,13 @@ def test_ended_sequences_reach_the_runner_through_the_schedule(llm):
     eng.add_request("cut", PROMPT, SamplingParams(temperature=1.0, seed=4, max_tokens=50, ignore_eos=True))
     eng.step()
     eng.step()
-    assert eng.runner.sampler.held()["sampler.req_generators"] == 3         # two forks and "cut"
+    assert eng.core.runner.sampler.held()["sampler.req_generators"] == 3         # two forks and "cut"
     eng.abort("cut")
-    assert eng.scheduler.finished_ids == ["cut"]
+    assert eng.core.scheduler.finished_ids == ["cut"]
     seen = []
     while eng.has_unfinished_requests():
         eng.step()
-        seen += eng.last_schedule.finished_req_ids
+        seen += eng.core.last_schedule.finished_req_ids
     assert len(seen) == 3 and {"cut", "seeded"} < set(seen)                # "cut", then both samples
     assert not any(eng.held().values()), eng.held()
 
@@ -169,7 +169,7 @@ def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
     last = tok.decode(free.token_ids[-1:]).strip()
     before = tok.decode(free.token_ids[:-1])
     assert last and last not in before, (before, last)       # the stop string appears only in the last token
-    counts = dict(llm.engine.counters.finished)
+    counts = dict(llm.engine.core.counters.finished)
     for stream in (False, True):
         eng = llm.engine
         eng.add_request(f"last-{stream}", PROMPT, SamplingParams(max_tokens=12, stop=[last], ignore_eos=True),
@@ -181,8 +181,8 @@ def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
         text = "".join(x.outputs[0].text for x in outs) if stream else o.text
         assert o.finish_reason == "stop" and o.stop_reason == last, (o.finish_reason, o.stop_reason)
         assert last not in text and free.text.startswith(text)
-    assert eng.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
-    assert eng.counters.finished.get("length", 0) == counts.get("length", 0)
+    assert eng.core.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
+    assert eng.core.counters.finished.get("length", 0) == counts.get("length", 0)
 
 
 def test_text_prompts_are_tokenized_in_one_batch_before_submit(llm, tokenizer, monkeypatch):

@@ -33,7 +33,7 @@ def test_a_target_under_the_floor_warns_naming_it_and_strict_slo_refuses(calibra
     assert msg.startswith("strict_slo:") and "'interactive'" in msg and "itl_p99_ms 100" in msg and "125.0 ms" in msg
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         eng = LLMEngine(calibrated(traffic_classes=classes(100)))
-    assert eng.startup_itl_floor_ms == pytest.approx(125.0)
+    assert eng.core.startup_itl_floor_ms == pytest.approx(125.0)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("'interactive'" in w and "itl_p99_ms 100" in w and "125.0 ms" in w for w in warned), warned
     assert any("ITL floor 125.0 ms" in r.getMessage() for r in caplog.records)

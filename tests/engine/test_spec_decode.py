@@ -38,7 +38,7 @@ def _engine(llm):
 def _assert_idle_and_clean(llm):
     eng = _engine(llm)
     assert not any(eng.held().values()), eng.held()
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+    assert eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
 
 
 def _ids(outs):
@@ -48,7 +48,7 @@ def _ids(outs):
 def test_greedy_outputs_are_identical_and_drafts_are_accepted(llm, spec_llm, chat_prompt_ids):
     prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[::2]] + GROUNDED
     sp = SamplingParams(max_tokens=40, temperature=0.0)
-    stats = _engine(spec_llm).scheduler.spec_stats
+    stats = _engine(spec_llm).core.scheduler.spec_stats
     before = stats.num_accepted_tokens
     ref, got = llm.generate(prompts, sp), spec_llm.generate(prompts, sp)
     assert _ids(got) == _ids(ref)
@@ -65,7 +65,7 @@ def test_the_adaptive_rule_measures_its_costs_behind_a_context_and_gives_the_blo
     ref = llm.generate(GROUNDED[:1], sp)
     for blocks in (24, 1024):             # 24 x 16 tokens: no room for a context beside the 256 rows measured
         a = LLM(num_kv_blocks=blocks, block_size=16, dtype="float32", speculative_config=ALWAYS | {"adaptive": True})
-        table = a.engine.scheduler.spec_cost
+        table = a.engine.core.scheduler.drafting.cost
         assert table.rows[0] == 1 and table.rows[-1] == 256 and all(t > 0 for t in table.seconds)
         _assert_idle_and_clean(a)
         assert _ids(a.generate(GROUNDED[:1], sp)) == _ids(ref)
@@ -77,7 +77,7 @@ def test_greedy_outputs_are_identical_when_most_drafts_are_rejected(llm, spec_ll
     prompts = [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 60))]}
                for _ in range(6)]
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    stats = _engine(spec_llm).scheduler.spec_stats
+    stats = _engine(spec_llm).core.scheduler.spec_stats
     d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
     assert _ids(spec_llm.generate(prompts, sp)) == _ids(llm.generate(prompts, sp))
     drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
@@ -146,8 +146,8 @@ def test_chunked_prefill_and_preemption_with_drafts(chat_prompt_ids):
                   long_prefill_token_threshold=32, preemption_mode=mode, speculative_config=spec)
         outs.append(_ids(llm.generate(prompts, sp)))
         eng = _engine(llm)
-        assert eng.counters.preemptions > 0
-        assert spec is None or eng.scheduler.spec_stats.num_accepted_tokens > 0
+        assert eng.core.counters.preemptions > 0
+        assert spec is None or eng.core.scheduler.spec_stats.num_accepted_tokens > 0
         _assert_idle_and_clean(llm)
     assert outs[0] == outs[1] == outs[2]
 
@@ -175,7 +175,7 @@ def test_served_drafts_show_on_metrics_and_debug_state(spec_llm):
         assert vals['pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
         state = httpx.get(base + "/debug/state").json()
         sp = state["health"]["spec_decode"]
-        assert sp["method"] == "ngram" and sp["num_accepted_tokens"] == eng.scheduler.spec_stats.num_accepted_tokens
+        assert sp["method"] == "ngram" and sp["num_accepted_tokens"] == eng.core.scheduler.spec_stats.num_accepted_tokens
         assert any(x["draft"] for x in state["steps"])
     _assert_idle_and_clean(spec_llm)
 
@@ -221,7 +221,7 @@ def _sample(path: str, spec, n: int, temperature: float = 1.0, seed: int = 0):
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * n,
                         SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True, detokenize=False))
     toks = torch.tensor([o.outputs[0].token_ids for o in outs])
-    stats = _engine(llm).scheduler.spec_stats
+    stats = _engine(llm).core.scheduler.spec_stats
     _assert_idle_and_clean(llm)
     return toks, stats
 
@@ -277,7 +277,7 @@ def test_draft_model_greedy_outputs_are_identical(llm, packed_draft, random_draf
     prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:6]] + GROUNDED
     sp = SamplingParams(max_tokens=40, temperature=0.0)
     ref = _ids(llm.generate(prompts, sp))
-    stats = _engine(packed_draft).scheduler.spec_stats
+    stats = _engine(packed_draft).core.scheduler.spec_stats
     d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
     assert _ids(packed_draft.generate(prompts, sp)) == ref
     drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
@@ -285,7 +285,7 @@ def test_draft_model_greedy_outputs_are_identical(llm, packed_draft, random_draf
     _assert_idle_and_clean(packed_draft)
     rand = LLM(num_kv_blocks=256, block_size=16, dtype="float32", speculative_config=_draft_config(random_draft_path))
     assert _ids(rand.generate(prompts[:4], sp)) == ref[:4]
-    stats = _engine(rand).scheduler.spec_stats
+    stats = _engine(rand).core.scheduler.spec_stats
     assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens < 0.2 * stats.num_draft_tokens
     _assert_idle_and_clean(rand)
 
@@ -327,9 +327,9 @@ def test_draft_model_through_chunked_prefill_and_preemption(default_source, chat
                   speculative_config=_draft_config(default_source.path, quantization="gguf") if spec else None)
         outs.append(_ids(llm.generate(prompts, sp)))
         eng = _engine(llm)
-        assert eng.counters.preemptions > 0
+        assert eng.core.counters.preemptions > 0
         if spec:
-            st = eng.scheduler.spec_stats
+            st = eng.core.scheduler.spec_stats
             assert st.num_accepted_tokens > 0.7 * st.num_draft_tokens > 0
         _assert_idle_and_clean(llm)
     assert outs[0] == outs[1] == outs[2]
@@ -388,6 +388,6 @@ def test_a_draft_that_matches_the_target_in_distribution_is_nearly_always_accept
               speculative_config=_draft_config(path, num_speculative_tokens=2))
     llm.generate([{"prompt_token_ids": PROMPT}] * 300, [SamplingParams(max_tokens=4, temperature=1.0, seed=i,
                  ignore_eos=True, detokenize=False) for i in range(300)])
-    seeded = _engine(llm).scheduler.spec_stats
+    seeded = _engine(llm).core.scheduler.spec_stats
     assert seeded.num_accepted_tokens < 0.9 * seeded.num_draft_tokens
     _assert_idle_and_clean(llm)

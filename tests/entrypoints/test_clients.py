@@ -44,7 +44,7 @@ def idle(engine, timeout=10.0) -> bool:
     t = time.time()
     while time.time() - t < timeout:
         if not engine.has_unfinished_requests():
-            return all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+            return all(b.ref_cnt == 0 for b in engine.core.kv.pool.blocks[1:])
         time.sleep(0.02)
     return False
 
@@ -124,7 +124,7 @@ def test_tokenizer_endpoints_and_models(server, client):
     base, engine = server
     r = httpx.post(base + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert r["tokens"] == engine.tokenizer("Hello world")["input_ids"] and r["count"] == len(r["tokens"])
-    assert r["max_model_len"] == engine.max_model_len and len(r["token_strs"]) == r["count"]
+    assert r["max_model_len"] == engine.core.max_model_len and len(r["token_strs"]) == r["count"]
     assert httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
     chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 3
@@ -133,7 +133,7 @@ def test_tokenizer_endpoints_and_models(server, client):
     bad = httpx.post(base + "/detokenize", json={"tokens": [10 ** 9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     m = client.models.list().data[0]
-    assert m.root and m.parent is None and m.max_model_len == engine.max_model_len
+    assert m.root and m.parent is None and m.max_model_len == engine.core.max_model_len
 
 
 def test_unknown_fields_are_400_and_ignored_ones_accepted(server, client):

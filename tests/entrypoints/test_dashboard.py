@@ -60,7 +60,7 @@ def engine_view(app, engine) -> tuple[dict, dict]:
     from pagedserve.entrypoints.dashboard import snapshot
 
     def read():
-        kv, sch = engine.kv, engine.scheduler
+        kv, sch = engine.core.kv, engine.core.scheduler
         return snapshot(engine, app.state.server.recorder), {
             "num_free_blocks": kv.num_free_blocks, "num_cached_blocks": kv.pool.num_cached_blocks(),
             "used": kv.pool.num_usable_blocks - kv.num_free_blocks, "running": len(sch.running),
@@ -148,7 +148,7 @@ def test_dashboard_in_a_real_browser(served):
         shot = False
         while t.is_alive():
             counts, summary, step, shared = _dom_counts(driver)
-            assert sum(counts.values()) == engine.kv.pool.num_blocks             # one cell per block
+            assert sum(counts.values()) == engine.core.kv.pool.num_blocks             # one cell per block
             assert counts.get("used", 0) == summary["used"] and counts.get("free", 0) == summary["free"]
             assert counts.get("cached", 0) == summary["cached"] and counts.get("null") == 1
             live = httpx.get(base + "/debug/state", headers=H).json()

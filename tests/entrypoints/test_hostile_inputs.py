@@ -66,7 +66,7 @@ def base():
     with serve_in_thread(app) as url:
         yield url
     assert not engine.has_unfinished_requests()
-    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+    assert all(b.ref_cnt == 0 for b in engine.core.kv.pool.blocks[1:])
 
 
 @pytest.mark.parametrize("name,path,body,status,field", CASES, ids=[c[0] for c in CASES])

@@ -41,7 +41,7 @@ def served(engine):
             yield base, app
     yield make
     assert not engine.has_unfinished_requests()
-    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+    assert all(b.ref_cnt == 0 for b in engine.core.kv.pool.blocks[1:])
 
 
 def sse_events(r) -> list:
@@ -58,13 +58,13 @@ def wait(cond, timeout=10.0):
 
 
 def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine, monkeypatch):
-    real = engine.runner.execute
+    real = engine.core.runner.execute
 
     def execute(so):
         if any(POISON in s.token_ids for s in so.seqs):
             raise RuntimeError("injected kernel fault")
         return real(so)
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.core.runner, "execute", execute)
     with served() as (base, _):
         r = httpx.post(base + "/v1/completions", headers=H, json={"prompt": [1, 2, POISON], "max_tokens": 4})
         assert r.status_code == 500, r.text
@@ -80,7 +80,7 @@ def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine
                 pass
         ok = client.completions.create(model="m", prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True})
         assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 5
-    assert engine.counters.finished.get("error", 0) >= 3
+    assert engine.core.counters.finished.get("error", 0) >= 3
 
 
 def test_a_bug_in_one_requests_path_is_a_500_with_an_error_id_for_it_alone(served, monkeypatch, caplog):
@@ -156,8 +156,8 @@ def test_dead_engine_fails_every_client_at_once(served, engine, monkeypatch):
         died = threading.Event()
         app.state.aengine.on_dead = lambda err: died.set()
         stop = threading.Event()
-        real = engine.scheduler.schedule
-        monkeypatch.setattr(engine.scheduler, "schedule", lambda: (_ for _ in ()).throw(KeyError("bug")) if
+        real = engine.core.scheduler.schedule
+        monkeypatch.setattr(engine.core.scheduler, "schedule", lambda: (_ for _ in ()).throw(KeyError("bug")) if
                             stop.is_set() else real())
 
         async def clients():
@@ -201,7 +201,7 @@ def test_non_stream_disconnect_is_clean(served, engine, caplog):
                 assert wait(engine.has_unfinished_requests, 5)
             assert wait(lambda: not engine.has_unfinished_requests(), 3)
     assert not [r for r in caplog.records if "aclose" in r.getMessage() or r.levelno >= logging.ERROR]
-    assert engine.counters.finished.get("abort", 0) >= 3
+    assert engine.core.counters.finished.get("abort", 0) >= 3
 
 
 def test_chunked_body_is_cut_at_the_limit(served):

@@ -242,7 +242,7 @@ def test_streams_reach_the_latency_histograms(server, client):
 def test_disconnect_mid_stream_frees_blocks(server):
     base, engine, _ = server
     assert wait_idle(engine)
-    free0 = engine.kv.num_free_blocks
+    free0 = engine.core.kv.num_free_blocks
     with httpx.stream("POST", base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"prompt": "Write a very long essay about the ocean.", "max_tokens": 2000,
                             "ignore_eos": True, "stream": True}, timeout=30) as r:
@@ -257,7 +257,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     while engine.has_unfinished_requests() and time.time() - t < 1.0:
         time.sleep(0.02)
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == free0
+    assert engine.core.kv.num_free_blocks == free0
 
 
 def test_disconnect_non_stream_aborts(server):
@@ -335,7 +335,7 @@ def test_503_when_waiting_queue_full(server):
     codes = [r.status_code for r in asyncio.run(go())]
     assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
     assert wait_idle(engine, timeout=60)
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_usable_blocks
+    assert engine.core.kv.num_free_blocks == engine.core.kv.pool.num_usable_blocks
 
 
 def test_32_concurrent_streams(server):

@@ -84,7 +84,7 @@ def test_interactive_takes_a_slot_from_batch_which_still_finishes_whole(server):
     with cf.ThreadPoolExecutor(2) as ex:
         futs = [ex.submit(batch, i) for i in range(2)]
         deadline = time.time() + 60
-        while len(engine.scheduler.running) < 2 and time.time() < deadline:
+        while len(engine.core.scheduler.running) < 2 and time.time() < deadline:
             time.sleep(0.01)
         state = httpx.get(base + "/debug/scheduler").json()
         assert {r["traffic_class"] for r in state["running"]} == {"batch"}
@@ -109,7 +109,7 @@ def test_the_itl_floor_is_a_gauge_per_class_with_a_target_and_in_debug_scheduler
     assert metric(base, "pagedserve:class_itl_floor_seconds", '{traffic_class="batch"}') is None
     r = httpx.post(base + "/v1/completions", json={"prompt": "Count slowly", "max_tokens": 24, "ignore_eos": True,
                                                    "traffic_class": "interactive"}, timeout=120)
-    assert r.status_code == 200 and engine.step_cost.count >= 16
+    assert r.status_code == 200 and engine.core.step_cost.count >= 16
     state = httpx.get(base + "/debug/scheduler").json()
     floors = {c["name"]: c["itl_floor_ms"] for c in state["traffic_classes"]}
     assert floors["batch"] is None and floors["interactive"] >= 0

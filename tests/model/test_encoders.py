@@ -88,11 +88,11 @@ def test_llm_embed_equals_sentence_transformers(base, pooling, normalize):
     ref = _reference(path)
     with LLM(path, dtype="float32", max_num_batched_tokens=256) as llm:
         outs = llm.embed(TEXTS, use_tqdm=False)
-        assert llm.engine.counters.steps == 1            # all five packed into one step
+        assert llm.engine.core.counters.steps == 1            # all five packed into one step
         got = torch.tensor([o.outputs.embedding for o in outs])
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
         assert max(len(o.prompt_token_ids) for o in outs) == MAX_SEQ
-        assert not llm.engine.kv_cache_bytes
+        assert not llm.engine.core.kv_cache_bytes
 
 
 def test_small_steps_and_pooling_override(base):
@@ -101,7 +101,7 @@ def test_small_steps_and_pooling_override(base):
     with LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2) as llm:
         got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
         torch.testing.assert_close(got, _reference(path), atol=1e-5, rtol=0)
-        assert llm.engine.counters.steps >= 3
+        assert llm.engine.core.counters.steps >= 3
         cls = llm.embed(TEXTS, PoolingParams(pooling_type="cls"), use_tqdm=False)
         torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in cls]),
                                    _reference(_folder(d, hf, "cls")), atol=1e-5, rtol=0)

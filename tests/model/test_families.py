@@ -67,7 +67,7 @@ def test_greedy_through_the_engine_matches_hf(saved, name):
         for out, (ref, ref_lp) in zip(outs, refs):
             assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
         if "num_kv_blocks" in args:
-            assert llm.engine.scheduler.num_preemptions > 0
+            assert llm.engine.core.scheduler.num_preemptions > 0
         llm.shutdown()
 
 
@@ -156,9 +156,9 @@ def test_sliding_window_model_runs_in_a_pool_smaller_than_its_sequences(saved, n
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with LLM(d, dtype="float32", num_kv_blocks=9, block_size=8, max_num_batched_tokens=16,
              long_prefill_token_threshold=16) as llm:
-        assert llm.engine.kv.windows == (24,)
+        assert llm.engine.core.kv.windows == (24,)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert llm.engine.kv.num_free_blocks == 8
+        assert llm.engine.core.kv.num_free_blocks == 8
     for out, p in zip(outs, prompts):
         ref, ref_lp = hf_greedy(hf, p, 24)
         assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
@@ -174,19 +174,19 @@ def test_window_groups_give_blocks_back_while_full_layers_keep_theirs(saved, nam
     with LLM(d, dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=16,
              long_prefill_token_threshold=16) as llm:
         eng = llm.engine
-        assert len(eng.kv.windows) > 1 and 0 in eng.kv.windows and 24 in eng.kv.windows
+        assert len(eng.core.kv.windows) > 1 and 0 in eng.core.kv.windows and 24 in eng.core.kv.windows
         eng.add_request("a", {"prompt_token_ids": prompt}, sp)
         seen, out = 0, None
         while eng.has_unfinished_requests():
             for o in eng.step():
                 out = o if o.finished else out
-            if "a" in eng.kv.req_blocks:
-                n = eng.scheduler.requests["a"].num_computed_tokens
-                for w, table in zip(eng.kv.windows, eng.kv.block_tables("a")):
+            if "a" in eng.core.kv.req_blocks:
+                n = eng.core.scheduler.requests["a"].num_computed_tokens
+                for w, table in zip(eng.core.kv.windows, eng.core.kv.block_tables("a")):
                     live = sum(b != 0 for b in table)
                     assert live == len(table) if not w else live <= -(-(w - 1 + 16) // 8) + 1, (w, n, table)
                     seen += bool(w) and live < len(table)
-        assert seen > 0 and eng.kv.num_free_blocks == eng.kv.pool.num_usable_blocks
+        assert seen > 0 and eng.core.kv.num_free_blocks == eng.core.kv.pool.num_usable_blocks
     ref, ref_lp = hf_greedy(hf, prompt, 24)
     assert_greedy_match(list(out.outputs[0].token_ids), ref, ref_lp, tol=1e-4)
 
@@ -261,7 +261,7 @@ def test_one_table_for_every_layer_when_the_hybrid_manager_is_off(saved):
     prompt = _prompts(hf.config.vocab_size)[2]
     with LLM(d, dtype="float32", num_kv_blocks=64, block_size=8, disable_hybrid_kv_cache_manager=True) as llm:
         eng = llm.engine
-        assert eng.kv.windows == (0,) and eng.runner.layout.planes == hf.config.num_hidden_layers
+        assert eng.core.kv.windows == (0,) and eng.core.runner.layout.planes == hf.config.num_hidden_layers
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, temperature=0.0,
                                                                           ignore_eos=True), use_tqdm=False)[0]
     ref, ref_lp = hf_greedy(hf, prompt, 24)

@@ -111,8 +111,8 @@ def test_an_accelerators_model_is_shared_while_an_engine_holds_it_and_freed_afte
     monkeypatch.setattr(loader, "held_for_the_process", lambda device: False)
     a = LLM(str(tmp_path), num_kv_blocks=32)
     b = LLM(str(tmp_path), num_kv_blocks=32)
-    assert a.engine.runner.model is b.engine.runner.model
-    gone = weakref.ref(a.engine.runner.model)
+    assert a.engine.core.runner.model is b.engine.core.runner.model
+    gone = weakref.ref(a.engine.core.runner.model)
     out = b.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     a.shutdown()
@@ -127,7 +127,7 @@ def test_an_accelerators_model_is_shared_while_an_engine_holds_it_and_freed_afte
     monkeypatch.setattr(loader, "held_for_the_process", lambda device: True)
     monkeypatch.setattr(loader, "_LOADED", {})
     d = LLM(str(tmp_path), num_kv_blocks=32)
-    kept = weakref.ref(d.engine.runner.model)
+    kept = weakref.ref(d.engine.core.runner.model)
     d.shutdown()
     del d
     gc.collect()

@@ -34,7 +34,7 @@ def test_gguf_packed_weights_match_hf(hf_model, chat_prompt_ids):
     the near-tie rule of assert_greedy_match."""
     from pagedserve import LLM
     llm = LLM(num_kv_blocks=1024, dtype="float32", quantization="gguf")
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert model.weights_desc == "float32 packed Q4_1 x 120, Q8_0 x 1"
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(17, model.cfg.vocab_size, (300,), generator=g).tolist()

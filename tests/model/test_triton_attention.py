@@ -197,10 +197,10 @@ def test_engine_on_the_triton_path_gives_the_torch_paths_tokens(folders, name):
     for backend in ("torch", "triton"):
         with LLM(d, dtype="float32", num_kv_blocks=48, block_size=8, max_num_batched_tokens=32,
                  long_prefill_token_threshold=16, attention_backend=backend, device=DEVICE) as llm:
-            assert llm.engine.runner.attention_backend == backend
+            assert llm.engine.core.runner.attention_backend == backend
             runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                     for _ in range(2)]
-            assert llm.engine.kv.pool.num_cached_blocks() > 0
+            assert llm.engine.core.kv.pool.num_cached_blocks() > 0
         tokens[backend] = [[list(o.outputs[0].token_ids) for o in outs] for outs in runs]
         assert tokens[backend][0] == tokens[backend][1]
     assert tokens["triton"] == tokens["torch"]
@@ -240,11 +240,11 @@ def test_decode_steps_through_the_graph_buffers_give_the_plain_steps_tokens(fold
     for graphs in (False, True):
         with LLM(d, dtype="float32", num_kv_blocks=48, block_size=8, max_num_seqs=6, max_model_len=300,
                  attention_backend="triton", device=DEVICE, enforce_eager=not graphs) as llm:
-            r = llm.engine.runner
+            r = llm.engine.core.runner
             if DEVICE == "cpu":
                 assert r.graphs is None and r.graphs_note.startswith("off")
                 if graphs:
-                    r.graphs = DecodeGraphs(r.model, r.kv_caches, 6, llm.engine.max_model_len, 8, r.device,
+                    r.graphs = DecodeGraphs(r.model, r.kv_caches, 6, llm.engine.core.max_model_len, 8, r.device,
                                             capture=False)
             else:
                 assert (r.graphs is not None) == graphs, r.graphs_note

@@ -54,7 +54,7 @@ def _llm(path: str, **kw) -> LLM:
 def _idle(llm: LLM) -> None:
     held = {k: v for k, v in llm.engine.held().items() if v}
     assert not held, held
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("text,images", [(PROMPT1, [1]), (PROMPT2, [1, 2])], ids=["one-image", "two-images"])
@@ -80,7 +80,7 @@ def test_chunked_prefill_splits_an_image_and_stays_exact(llava):
     llm = _llm(path, max_num_batched_tokens=6, long_prefill_token_threshold=6, enable_prefix_caching=False)
     out = llm.generate({"prompt": PROMPT2, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
     assert_greedy_match(out.outputs[0].token_ids, ref, lps)
-    assert llm.engine.runner.encoder_runs == 2
+    assert llm.engine.core.runner.encoder_runs == 2
     _idle(llm)
 
 
@@ -93,13 +93,13 @@ def test_preemption_stays_exact(llava, mode):
     refs = [hf_ref(llava, t, tuple(ims), n=24) for t, ims in cases]
     llm = _llm(path, num_kv_blocks=30, preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=12,
                long_prefill_token_threshold=12)
-    kv, swaps = llm.engine.kv, []
+    kv, swaps = llm.engine.core.kv, []
     swap_out = kv.swap_out
     kv.swap_out = lambda req: (swaps.append(req.request_id), swap_out(req))[1]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=n) for n in (1, 1, 2)]
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [random_image(s) for s in ims]}}
                          for t, ims in cases], params)
-    assert llm.engine.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
+    assert llm.engine.core.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
     for o, (ref, lps, _) in zip(outs, refs):
         for sample in o.outputs:        # (the last request's two samples: a fork carries its parent's images)
             assert_greedy_match(sample.token_ids, ref, lps)
@@ -115,7 +115,7 @@ def test_a_fork_carries_its_images(llava):
     eng.add_request("r", {"prompt": PROMPT1, "multi_modal_data": {"image": [random_image(1)]}},
                     SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2))
     eng.step()
-    parent, child = eng.scheduler.requests["r"], eng.scheduler.requests["r#1"]
+    parent, child = eng.core.scheduler.requests["r"], eng.core.scheduler.requests["r#1"]
     assert child.mm_features == parent.mm_features and len(child.mm_features) == 1
     while eng.has_unfinished_requests():
         eng.step()
@@ -128,23 +128,23 @@ def _prefill(llm: LLM, rid: str, img) -> tuple[int, ...]:
     eng.add_request(rid, {"prompt": PROMPT1, "multi_modal_data": {"image": [img]}},
                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     eng.step()
-    return eng.kv.block_tables(rid)[0]
+    return eng.core.kv.block_tables(rid)[0]
 
 
 def test_same_image_shares_blocks_and_encoder_output(llava):
     path, *_ = llava
     llm = _llm(path)
-    eng, enc = llm.engine, llm.engine.scheduler.encoder
+    eng, enc = llm.engine, llm.engine.core.scheduler.encoder
     a = _prefill(llm, "a", random_image(1))
     b = _prefill(llm, "b", random_image(1))
     c = _prefill(llm, "c", random_image(2))
     # 20 prompt tokens, blocks of 4: "a"'s first 4 blocks are "b"'s (a hit stops short of the last token,
     # which is always computed: block 4 is b's own, and its first position is the image's last token)
-    assert b[:4] == a[:4] and b[4] != a[4] and eng.scheduler.requests["b"].num_cached_tokens == 16
+    assert b[:4] == a[:4] and b[4] != a[4] and eng.core.scheduler.requests["b"].num_cached_tokens == 16
     # another image: the same token ids, but no block of the image is shared (block 0 holds image tokens)
-    assert not set(c) & set(a) and eng.scheduler.requests["c"].num_cached_tokens == 0
+    assert not set(c) & set(a) and eng.core.scheduler.requests["c"].num_cached_tokens == 0
     # "b" read the image's last token from the cache: one encoder run per distinct image
-    assert (enc.misses, enc.hits, eng.runner.encoder_runs) == (2, 1, 2)
+    assert (enc.misses, enc.hits, eng.core.runner.encoder_runs) == (2, 1, 2)
     while eng.has_unfinished_requests():
         eng.step()
     _idle(llm)
@@ -156,8 +156,8 @@ def test_encoder_cache_without_prefix_cache(llava):
     llm = _llm(path, enable_prefix_caching=False)
     for _ in range(2):
         llm.generate({"prompt": PROMPT1, "multi_modal_data": {"image": [random_image(1)]}}, GREEDY)
-    enc = llm.engine.scheduler.encoder
-    assert (enc.misses, enc.hits, llm.engine.runner.encoder_runs) == (1, 1, 1)
+    enc = llm.engine.core.scheduler.encoder
+    assert (enc.misses, enc.hits, llm.engine.core.runner.encoder_runs) == (1, 1, 1)
     assert enc.size_tokens == 16
     _idle(llm)
 
@@ -174,14 +174,14 @@ def test_encoder_budget_cuts_before_an_image_and_the_cache_is_bounded(llava):
     eng.add_request("img", {"prompt": PROMPT2, "multi_modal_data": {"image": [random_image(1), random_image(2)]}},
                     GREEDY)
     eng.step()
-    req = eng.scheduler.requests["img"]
+    req = eng.core.scheduler.requests["img"]
     second = req.mm_features[1].offset
-    assert req.num_computed_tokens == second and eng.scheduler.requests["text"].num_output_tokens == 2
+    assert req.num_computed_tokens == second and eng.core.scheduler.requests["text"].num_output_tokens == 2
     eng.step()
-    assert req.num_computed_tokens == req.num_prompt_tokens and eng.scheduler.requests["text"].num_output_tokens == 3
+    assert req.num_computed_tokens == req.num_prompt_tokens and eng.core.scheduler.requests["text"].num_output_tokens == 3
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.runner.encoder_runs == 2 and list(eng.runner.encoder_cache) == [req.mm_features[1].hash]
+    assert eng.core.runner.encoder_runs == 2 and list(eng.core.runner.encoder_cache) == [req.mm_features[1].hash]
     _idle(llm)
 
 

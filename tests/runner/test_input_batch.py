@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pagedserve.config import SpeculativeConfig
+from pagedserve.core.spec_decode import Drafting
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_layout import KVLayout
 from pagedserve.core.request import Request
@@ -111,11 +112,11 @@ def test_persistent_batch_equals_a_batch_rebuilt_every_step(data):
     kv = KVCacheManager(num_blocks, bs, enable_caching=d(st.booleans(), label="caching"),
                         num_host_blocks=d(st.integers(0, 40), label="host_blocks") if swap else 0,
                         windows=layout.windows)
+    drafting = Drafting(SpeculativeConfig(num_speculative_tokens=d(st.integers(1, 4)), adaptive=False)) \
+        if d(st.booleans(), label="ngram") else None
     sch = Scheduler(SchedulerConfig(max_num_batched_tokens=d(st.integers(8, 48), label="budget"), max_num_seqs=8,
                                     max_model_len=64, long_prefill_token_threshold=d(st.integers(1, 16)),
-                                    preemption_mode="swap" if swap else "recompute"), kv)
-    if d(st.booleans(), label="ngram"):
-        sch.spec = SpeculativeConfig(num_speculative_tokens=d(st.integers(1, 4)), adaptive=False)
+                                    preemption_mode="swap" if swap else "recompute"), kv, drafting=drafting)
     rows_as_decode = d(st.booleans(), label="rows_as_decode")
     runner = model_free_runner(layout, bs, rows_as_decode)
     tok = st.integers(1, 5)                      # a small vocabulary: n-gram drafts and prefix hits happen

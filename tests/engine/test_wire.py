@@ -1,0 +1,94 @@
+"""The engine core's protocol (engine/wire.py): every field of every message survives encode / decode, a
+core Request goes through AddRequest and back, and decode refuses bytes that name anything else."""
+import dataclasses
+import os
+import pickle
+
+import pytest
+
+from pagedserve.core.request import Request
+from pagedserve.engine.outputs import EngineCoreOutputs, RequestFailure, SeqTimes, SeqToken, StepStats
+from pagedserve.engine.wire import AddRequest, FinishRequests, StepOutput, decode, encode
+from pagedserve.runner.sampler import Logprob
+from pagedserve.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7, presence_penalty=0.5,
+                          frequency_penalty=0.25, repetition_penalty=1.1, stop=["\n\n"], stop_token_ids=[9],
+                          include_stop_str_in_output=True, max_tokens=33, logprobs=3,
+                          prompt_logprobs=1, logit_bias={5: -2.5}, skip_special_tokens=False,
+                          structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+
+
+def _token(i: int) -> SeqToken:
+    return SeqToken(f"r#{i}", "r", i, 100 + i, {100 + i: Logprob(-0.5, 1, "x"), 7: Logprob(-1.5, 2, "y")},
+                    "stop", 2, SeqTimes(1.0, 2.0, 3.0 + i, 1, 16))
+
+
+def _step() -> StepOutput:
+    stats = StepStats(**{f.name: (((0, 5, 1), (5, 1, 2)) if f.name == "rows" else
+                                  0.25 if f.type == "float" else 3) for f in dataclasses.fields(StepStats)})
+    outs = EngineCoreOutputs([_token(0), _token(1)], {"r": [None, {4: Logprob(-0.1, 1, "a")}]}, {"e": [0.5, -0.5]},
+                             ("f",), RequestFailure("internal_error", "the step failed"))
+    return StepOutput(outs, stats)
+
+
+def _add() -> AddRequest:
+    return AddRequest("r", (1, 2, 3), _params(), 33, (2, 0), -1, 1, 2, 12.5, 99, 3, PoolingParams("MEAN", True, 8))
+
+
+def _records(msg):
+    """msg and every dataclass record inside it (lists, tuples and dict values walked)."""
+    if dataclasses.is_dataclass(msg):
+        yield msg
+        for f in dataclasses.fields(msg):
+            yield from _records(getattr(msg, f.name))
+    elif isinstance(msg, (list, tuple)):
+        for x in msg:
+            yield from _records(x)
+    elif isinstance(msg, dict):
+        for x in msg.values():
+            yield from _records(x)
+
+
+@pytest.mark.parametrize("msg", [_add(), FinishRequests(("r#0", "r#1"), "abort"), _step()],
+                         ids=["add", "finish", "step"])
+def test_every_field_of_every_message_survives_the_round_trip(msg):
+    records = list(_records(msg))
+    for rec in records:          # each field is set away from its default, so a field that is lost shows
+        for f in dataclasses.fields(rec):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            if default is not dataclasses.MISSING and type(rec) not in (SamplingParams, StructuredOutputsParams):
+                assert getattr(rec, f.name) != default, f"{type(rec).__name__}.{f.name} left at its default"
+    back = decode(encode(msg))
+    assert back == msg and type(back) is type(msg)
+    for a, b in zip(records, _records(back), strict=True):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            assert getattr(b, f.name) == getattr(a, f.name), f"{type(a).__name__}.{f.name}"
+    if isinstance(msg, StepOutput):      # int keys stay ints, tuples stay tuples
+        assert list(back.outputs.tokens[0].logprobs) == [100, 7]
+        assert back.stats.rows == ((0, 5, 1), (5, 1, 2)) and back.outputs.failed == ("f",)
+
+
+def test_a_request_goes_through_add_request_and_back():
+    req = Request("r", [1, 2, 3], _params(), 33, (2,), priority=-1, traffic_class=1, arrival_time=12.5,
+                  num_samples=2, generator_seed=99, lora_id=3)
+    req.pooling = PoolingParams("MEAN")
+    back = decode(encode(AddRequest.of(req))).request()
+    for name in ("request_id", "prompt_token_ids", "params", "max_tokens", "eos_token_ids", "priority",
+                 "traffic_class", "arrival_time", "num_samples", "generator_seed", "lora_id", "pooling",
+                 "all_token_ids"):
+        assert getattr(back, name) == getattr(req, name), name
+    assert back is not req and back.num_computed_tokens == 0 and not back.output_token_ids
+    req.mm_features = ("an image",)
+    with pytest.raises(ValueError, match="mm_features"):
+        AddRequest.of(req)
+
+
+def test_decode_refuses_bytes_that_name_anything_else():
+    with pytest.raises(ValueError, match="data: posix.system is not a message"):
+        decode(pickle.dumps(os.system))
+    with pytest.raises(ValueError, match="data: a dict is not a message"):
+        decode(pickle.dumps({"tokens": []}))
