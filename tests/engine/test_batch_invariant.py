@@ -80,7 +80,7 @@ def test_without_the_flag_bf16_rounds_by_the_step(workload, reference):
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     lps = [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs] for o in alone]
     assert lps != [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs] for o in together]
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 def test_what_it_cannot_take_is_refused_naming_the_field(tmp_path, tokenizer):

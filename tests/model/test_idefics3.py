@@ -70,7 +70,7 @@ def _llm(path: str, **kw) -> LLM:
 def _idle(llm: LLM) -> None:
     held = {k: v for k, v in llm.engine.held().items() if v}
     assert not held, held
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 def _greedy_match(ours, ref_and_lps) -> None:
@@ -90,7 +90,7 @@ def test_greedy_equals_hf(tmp_path_factory, model_type, split, text, seeds):
     assert out.prompt_token_ids == ref[2]          # the placeholders expanded as HF's processor writes them
     _greedy_match(out.outputs[0].token_ids, ref)
     crops = sum(CROPS[SIZES[s]] for s in seeds) if split else len(seeds)
-    assert llm.engine.runner.encoder_runs == crops
+    assert llm.engine.core.runner.encoder_runs == crops
     # the image matters: another image of the same shape gives other tokens (so this test can fail)
     other = llm.generate({"prompt": text, "multi_modal_data": {"image": [random_image(7, SIZES[s]) for s in seeds]}},
                          GREEDY)[0]
@@ -119,7 +119,7 @@ def test_chunked_prefill_splits_crops_and_stays_exact(idefics3):
     llm = _llm(idefics3[0], max_num_batched_tokens=6, long_prefill_token_threshold=6, enable_prefix_caching=False)
     out = llm.generate({"prompt": PROMPT2, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)[0]
     _greedy_match(out.outputs[0].token_ids, ref)
-    assert llm.engine.runner.encoder_runs == 8
+    assert llm.engine.core.runner.encoder_runs == 8
     _idle(llm)
 
 
@@ -131,13 +131,13 @@ def test_preemption_stays_exact(idefics3, mode):
     refs = [hf_ref(idefics3, t, seeds, n=24) for t, seeds in cases]
     llm = _llm(idefics3[0], num_kv_blocks=72, preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=24,
                long_prefill_token_threshold=24)
-    kv, swaps = llm.engine.kv, []
+    kv, swaps = llm.engine.core.kv, []
     swap_out = kv.swap_out
     kv.swap_out = lambda req: (swaps.append(req.request_id), swap_out(req))[1]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=n) for n in (1, 1, 2)]
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [image(s) for s in seeds]}}
                          for t, seeds in cases], params)
-    assert llm.engine.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
+    assert llm.engine.core.scheduler.num_preemptions > 0 and bool(swaps) == (mode == "swap")
     for o, ref in zip(outs, refs):
         assert o.prompt_token_ids == ref[2]
         for sample in o.outputs:
@@ -151,25 +151,25 @@ def _prefill(llm: LLM, rid: str, img) -> tuple[int, ...]:
     eng.add_request(rid, {"prompt": "w5 <image>", "multi_modal_data": {"image": [img]}},
                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     eng.step()
-    return eng.kv.block_tables(rid)[0]
+    return eng.core.kv.block_tables(rid)[0]
 
 
 def test_same_image_shares_blocks_and_encoder_output(idefics3):
     llm = _llm(idefics3[0], max_num_batched_tokens=256)
-    eng, enc = llm.engine, llm.engine.scheduler.encoder
+    eng, enc = llm.engine, llm.engine.core.scheduler.encoder
     a = _prefill(llm, "a", image(1))
     b = _prefill(llm, "b", image(1))
     c = _prefill(llm, "c", image(9))            # another image of the same shape: the same token ids
-    req = eng.scheduler.requests["b"]
+    req = eng.core.scheduler.requests["b"]
     # 95 prompt tokens (w5, 4 crops and the global image, 16 tokens each, and their tags), blocks of 4: a hit
     # stops short of the last token, so "b" computes positions 92..94: the global image's last two tokens and
     # the closing tag; its first 23 blocks are "a"'s
     assert req.num_prompt_tokens == 95 and req.mm_features[-1].offset == 78
     assert b[:23] == a[:23] and b[23] != a[23] and req.num_cached_tokens == 92
     # another image: no block is shared (block 0 already holds the first crop's first image token)
-    assert not set(c) & set(a) and eng.scheduler.requests["c"].num_cached_tokens == 0
+    assert not set(c) & set(a) and eng.core.scheduler.requests["c"].num_cached_tokens == 0
     # "b" read the global image from the encoder cache: one encoder run per distinct crop
-    assert (enc.misses, enc.hits, eng.runner.encoder_runs) == (10, 1, 10)
+    assert (enc.misses, enc.hits, eng.core.runner.encoder_runs) == (10, 1, 10)
     while eng.has_unfinished_requests():
         eng.step()
     _idle(llm)
@@ -180,8 +180,8 @@ def test_encoder_cache_without_prefix_cache(idefics3):
     llm = _llm(idefics3[0], enable_prefix_caching=False)
     for _ in range(2):
         llm.generate({"prompt": PROMPT1, "multi_modal_data": {"image": [image(1)]}}, GREEDY)
-    enc = llm.engine.scheduler.encoder
-    assert (enc.misses, enc.hits, llm.engine.runner.encoder_runs) == (5, 5, 5)
+    enc = llm.engine.core.scheduler.encoder
+    assert (enc.misses, enc.hits, llm.engine.core.runner.encoder_runs) == (5, 5, 5)
     assert enc.size_tokens == 80
     _idle(llm)
 
@@ -195,13 +195,13 @@ def test_encoder_budget_cuts_before_a_crop(idefics3):
     eng.step()
     eng.add_request("img", {"prompt": PROMPT1, "multi_modal_data": {"image": [image(1)]}}, GREEDY)
     eng.step()
-    req = eng.scheduler.requests["img"]
-    assert req.num_computed_tokens == req.mm_features[1].offset and eng.scheduler.requests["text"].num_output_tokens == 2
+    req = eng.core.scheduler.requests["img"]
+    assert req.num_computed_tokens == req.mm_features[1].offset and eng.core.scheduler.requests["text"].num_output_tokens == 2
     eng.step()
-    assert req.num_computed_tokens == req.mm_features[2].offset and eng.scheduler.requests["text"].num_output_tokens == 3
+    assert req.num_computed_tokens == req.mm_features[2].offset and eng.core.scheduler.requests["text"].num_output_tokens == 3
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.runner.encoder_runs == 5
+    assert eng.core.runner.encoder_runs == 5
     _idle(llm)
 
 
