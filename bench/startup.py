@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: timed on the same file")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", default=None, help="write every run's numbers here")
+    ap.add_argument("--claims", action="store_true", help="update BENCHMARKS.md's start-up row (bench/claims.py)")
     ns = ap.parse_args()
     model = ns.model
     if model is None:
@@ -167,7 +168,27 @@ def main() -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"model": model, "runs": results}, f, indent=1)
+    if ns.claims and "warm serve" in results and "warm generate" in results:
+        record_claim(results, ns)
     return 0
+
+
+def record_claim(results: dict, ns) -> None:
+    import claims
+    serve, gen = results["warm serve"], results["warm generate"]
+    ready, port = med([r["ready_s"] for r in serve]), med([r["port_s"] for r in serve])
+    wall, idle = med([r["wall_s"] for r in gen]), med([r["idle_rss_mb"] for r in serve])
+    llama = results.get("llama-server")
+    ref = (f"llama-server ready {med([r['ready_s'] for r in llama]):.2f} s, idle RSS "
+           f"{med([r['idle_rss_mb'] for r in llama]):.0f} MB (same file)") if llama else "-"
+    met = lambda ok: "met" if ok else "**not met**"   # noqa: E731
+    claims.update("startup-warm", command="`python bench/startup.py " + " ".join(sys.argv[1:]) + "`",
+                  claim=f"Start-up, {'default model' if ns.model is None else os.path.basename(ns.model)}, warm "
+                        f"(median of {ns.runs})",
+                  ours=f"serve ready {ready:.2f} s (port answering 503 at {port:.2f} s); generate wall {wall:.2f} s; "
+                       f"serve idle RSS {idle:.0f} MB",
+                  reference=ref, ratio=f"aim ready <= 3 s {met(ready <= 3)}, generate <= 4 s {met(wall <= 4)}, "
+                                       f"idle RSS <= 1 GB {met(idle <= 1024)}")
 
 
 if __name__ == "__main__":
