@@ -12,6 +12,16 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 WINDOW = 24      # shorter than the test prompts, so sliding layers really slide
 
 
+def _sharpen(hf, sharpen: float) -> None:
+    """Sharper than the default init: greedy is meaningful and images change it."""
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(sharpen)
+            elif "norm" in n and n.endswith("weight"):
+                p.normal_(1.0, 0.2)
+
+
 def family_specs() -> dict[str, tuple[str, str, dict]]:
     """family -> (config class, model class, fields over SMALL): each family's differences switched on."""
     return {
@@ -183,12 +193,7 @@ def save_tiny_llava(d, sharpen: float = 3.0):
                       vision_feature_select_strategy="default")
     torch.manual_seed(0)
     hf = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():     # sharper than the default init: greedy is meaningful and images change it
-        for n, p in hf.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(sharpen)
-            elif "norm" in n and n.endswith("weight"):
-                p.normal_(1.0, 0.2)
+    _sharpen(hf, sharpen)
     hf.save_pretrained(d)
     proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
@@ -234,12 +239,7 @@ def save_tiny_idefics3(d, model_type: str = "idefics3", sharpen: float = 4.0, sp
                                                    scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
     torch.manual_seed(0)
     hf = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).eval()
-    with torch.no_grad():     # sharper than the default init: greedy is meaningful and images change it
-        for n, p in hf.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(sharpen)
-            elif "norm" in n and n.endswith("weight"):
-                p.normal_(1.0, 0.2)
+    _sharpen(hf, sharpen)
     hf.save_pretrained(d)
     image_proc = Idefics3ImageProcessor(size={"longest_edge": 2 * IDEFICS3_IMAGE}, do_image_splitting=split,
                                         max_image_size={"longest_edge": IDEFICS3_IMAGE})

@@ -85,3 +85,10 @@ def packed_up_to(model, rows: int = 64) -> str:
             if isinstance(w, PackedWeight):
                 w.small_m = rows
     return model.choose_decode_path()
+
+
+def assert_idle(llm) -> None:
+    """Nothing held by any request, every KV block back in the pool."""
+    held = {k: v for k, v in llm.engine.held().items() if v}
+    assert not held, held
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks

@@ -15,6 +15,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import ParamError
 from tests.model.families import random_image, save_tiny_idefics3
+from tests.model.helpers import assert_idle as _idle
 
 PROMPT1 = "w5 <image> w7 w8 w9"
 PROMPT2 = "w5 <image> w7 <image> w9 w10"
@@ -65,12 +66,6 @@ def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8):
 
 def _llm(path: str, **kw) -> LLM:
     return LLM(path, **({"dtype": "float32", "num_kv_blocks": 160, "block_size": 4} | kw))
-
-
-def _idle(llm: LLM) -> None:
-    held = {k: v for k, v in llm.engine.held().items() if v}
-    assert not held, held
-    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 def _greedy_match(ours, ref_and_lps) -> None:

@@ -13,6 +13,7 @@ from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.errors import ParamError
 from tests.model.families import random_image, save_tiny_llava, tiny_tokenizer
 from tests.model.helpers import assert_greedy_match, save_random_llama
+from tests.model.helpers import assert_idle as _idle
 
 PROMPT1 = "w5 <image> w7 w8 w9"
 PROMPT2 = "w5 <image> w7 <image> w9 w10"
@@ -49,12 +50,6 @@ def hf_ref(llava, text: str, seeds: tuple[int, ...], n: int = 8):
 
 def _llm(path: str, **kw) -> LLM:
     return LLM(path, **({"dtype": "float32", "num_kv_blocks": 128, "block_size": 4} | kw))
-
-
-def _idle(llm: LLM) -> None:
-    held = {k: v for k, v in llm.engine.held().items() if v}
-    assert not held, held
-    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("text,images", [(PROMPT1, [1]), (PROMPT2, [1, 2])], ids=["one-image", "two-images"])
