@@ -111,7 +111,7 @@ def main():
     rows = []
     for flags in (a.variants.split(";") if a.variants else [a.serve_args]):
         srv, base = serve(shlex.split(flags) + ["--max-num-seqs", str(max(16, a.streams))]
-                          + ([] if a.model is None else ["--model", src.path]))
+                          + ([] if a.model is None else [src.path]))
         try:
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             rows.append((f"pagedserve serve {flags}".strip(), summary(run_guidellm(a.guidellm, base, model, tokdir, a))))
