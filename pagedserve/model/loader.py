@@ -227,11 +227,12 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
             make_dense_copies(copied, dtype)
     if line:
         log.info("%s", line)
-    model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     with startup.phase("kernel loads"):
         log.info("%s", model.choose_gemm_form(int8_act, packed_rows))
         log.info("%s", model.choose_layer_path())
         log.info("%s", model.choose_decode_path())
+    # after the kernels' layout (interleaved x8 groups) is chosen: the same words whether the packed cache hit
+    model.weights_desc = f"{str(dtype).removeprefix('torch.')} {describe(model)}"
     if key is not None:
         with startup.phase("packed cache write"):
             packed_cache.save(key, ws)
