@@ -85,6 +85,19 @@ def summary(report: dict) -> dict:
             "ok": totals.get("successful"), "errored": totals.get("errored")}
 
 
+def _without_claims(argv: list[str]) -> list[str]:
+    """The command line as a reader reruns it: --claim and --claim-text (and their values) left out."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--claim", "--claim-text"):
+            skip = True
+        elif not x.startswith(("--claim=", "--claim-text=")):
+            out.append(x)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--guidellm", default=os.environ.get("GUIDELLM", "guidellm"))
@@ -139,7 +152,7 @@ def main():
         import claims
         ours, llama = rows[0][1], rows[1][1]
         claims.update(a.claim, **({"claim": a.claim_text} if a.claim_text else {}),
-                      command="`python bench/guidellm_side_by_side.py " + " ".join(sys.argv[1:]) + "`",
+                      command="`python bench/guidellm_side_by_side.py " + shlex.join(_without_claims(sys.argv[1:])) + "`",
                       ours=f"{ours['output_tok_s']} out tok/s, ITL p50 {ours['itl_p50_ms']} ms ({ours['ok']} ok)",
                       reference=f"llama-server {llama['output_tok_s']}, ITL p50 {llama['itl_p50_ms']} ms",
                       ratio=f"**{ours['output_tok_s'] / llama['output_tok_s']:.2f}x** tok/s, ITL p50 "

@@ -121,7 +121,9 @@ def test_gpu_check_decode_and_traffic_sections_at_toy_sizes(tmp_path):
         assert p["rows"] * (d["context"] + 1) <= p["kv_bytes"] / d["kv_bytes_per_token"] <= p["rows"] * 2 * d["context"]
         roof_ms = (d["weight_bytes"] + p["kv_bytes"]) / d["copy_bytes_per_s"] * 1e3
         assert abs(p["roofline_ms"] - roof_ms) <= 1e-3 * max(1.0, roof_ms)
-        assert abs(p["ratio"] - p["step_ms"] / p["roofline_ms"]) <= 0.01
+        # the record's times are rounded to 3 decimals of a ms: a tiny roofline's rounding moves the ratio
+        lo, hi = (p["step_ms"] - 5e-4) / (p["roofline_ms"] + 5e-4), (p["step_ms"] + 5e-4) / max(p["roofline_ms"] - 5e-4, 1e-9)
+        assert lo - 0.01 <= p["ratio"] <= hi + 0.01
         assert 0 < p["forward_ms"] <= p["step_ms"] and p["host_ms"] >= 0 and 0 <= p["host_share"] < 1
     at = next(p for p in d["points"] if p["rows"] == 64)
     assert d["ratio_at_aim"] == at["ratio"] and d["aim_met"] == ("met" if at["ratio"] <= 1.5 else "not met")
