@@ -82,9 +82,8 @@ def run(mode: str, rate: float, a, cap: float, shape, cost, blocks: int, max_len
 def resolve(a):
     """The model shape, cost model, KV blocks and max_model_len, as `pagedserve simulate` resolves them."""
     from pagedserve.sim.cli import add_simulate_flags, resolve as sim_resolve
-    from pagedserve.config import EngineArgs as EA
     ap = argparse.ArgumentParser()
-    EA.add_cli_args(ap)
+    EngineArgs.add_cli_args(ap)
     add_simulate_flags(ap)
     argv = ["--hardware", a.hardware, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
             "--max-num-seqs", str(a.max_num_seqs)] + ([] if a.model is None else ["--model", a.model])

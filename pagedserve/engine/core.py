@@ -324,12 +324,6 @@ class EngineCore:
         return int(blocks)
 
     # ------------------------------------------------------------ requests
-    def check_token_ids(self, param: str, ids, label: str | None = None) -> None:
-        V = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
-
     def fit_prompt(self, ids: list[int]) -> list[int]:
         """A prompt as this core runs it (a decoder: as given; EncoderCore truncates)."""
         return ids
@@ -392,7 +386,7 @@ class EngineCore:
             self._record_stats(so, ro, step_s)
             if self.step_cost is not None and so.seqs:
                 fitted = self.step_cost.model is not None
-                self.step_cost.observe(list(self.last_stats.rows), step_s)
+                self.step_cost.observe(self.last_stats.rows, step_s)
                 if not fitted and self.step_cost.model is not None:   # the first fit (no calibration cached)
                     self._check_floor(self.scheduler.classes, False)
         return out

@@ -13,7 +13,7 @@ no per-shape state, and is not padded (its results stay exactly those of an unpa
 Bounded is not flat: a bucket a step first reaches hundreds or thousands of requests in adds its
 kernels then (~0.5 MiB a layer shape, ~4 MiB an LM-head shape, measured on an AVX512-BF16 host), so
 RSS climbs in steps for as long as new buckets turn up (stop 42: 20 MiB from request 200 to 600 on
-a tiny bf16 model, flat in float32). warm() builds every bucket's kernels at load instead, as vLLM
+a tiny bf16 model, flat in float32). Warmup builds every bucket's kernels at load instead, as vLLM
 captures its CUDA graphs for every batch size before serving: RSS reaches its level before the KV
 plan reads the free memory, and no step pays a compile. `serve` defers it to the engine thread's idle
 time after the port answers 200 (Warmup.step, issue 56): the first request waits for at most one
@@ -135,8 +135,3 @@ class Warmup:
             return self.note
         return (f"{self.built} built ({len(self.keys)} distinct products, every row bucket) in {self.seconds:.2f} s"
                 if self.done else f"{len(self.keys)} distinct products, every row bucket: pending")
-
-
-def warm(products: Iterable[Product]) -> str:
-    """Build every bucket of `products` now (Warmup.run); returns the line logged."""
-    return Warmup(products).run()

@@ -212,7 +212,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     release_free_heap()
     ws = packed_weights(model)
     copied, line = dense_copy_plan(model, dtype) if dense_copy else ([], None)
-    copies = [any(w is c for c in copied) for w in ws]
+    chosen = {id(c) for c in copied}
+    copies = [id(w) in chosen for w in ws]
     key = None              # the packed-weight cache's key where this load is cached (packed_cache.py)
     if ws and src.kind == "gguf" and device == "cpu" and (tp is None or tp.size == 1):
         with startup.phase("packed cache read"):
@@ -221,7 +222,6 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                 what = [w for w, on in (("interleaved", int8_act), ("dense copies", copied)) if on] or ["as built"]
                 log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
                 key, copied = None, []       # there already: nothing to compute or write
-                release_free_heap()          # the weights built from the file, replaced by the entry's
     if copied:
         with startup.phase("dense copies"):
             make_dense_copies(copied, dtype)
@@ -236,7 +236,7 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
     if key is not None:
         with startup.phase("packed cache write"):
             packed_cache.save(key, ws)
-    release_free_heap()         # the read's transients, freed but resident between live blocks
+    release_free_heap()         # the read's transients and the weights a cache entry replaced, freed but resident
     return model, cfg
 
 

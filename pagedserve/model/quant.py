@@ -502,13 +502,25 @@ def uncopied_rows(int8_act: bool, forced: int | None = None) -> int | None:
     """Rows up to which a packed weight without a dense copy takes its products packed (UNCOPIED_ROWS by this
     host's kind; `forced`: --packed-rows / PAGEDSERVE_PACKED_ROWS pin it as they pin packed_rows). None for
     float activations (--dtype float32 with packed weights): packed_rows' own rows, as before."""
-    rows, _, why = packed_rows(int8_act, forced)
-    if why.startswith("pinned"):
-        return rows
-    if not int8_act:
-        return None
+    pinned = _pinned_rows(forced)
+    if pinned is not None:
+        return pinned
+    return UNCOPIED_ROWS.get(_host_kind(), UNCOPIED_ROWS_OTHER) if int8_act else None
+
+
+def _pinned_rows(forced: int | None) -> int | None:
+    """The row count --packed-rows (or PAGEDSERVE_PACKED_ROWS) pins, or None."""
+    if forced is None and os.environ.get("PAGEDSERVE_PACKED_ROWS"):
+        forced = int(os.environ["PAGEDSERVE_PACKED_ROWS"])
+    if forced is not None and forced < 1:
+        raise ValueError(f"packed_rows must be a positive integer, got {forced}")
+    return forced
+
+
+def _host_kind() -> tuple[str, bool]:
+    """The int8 kernels' ISA and whether bf16 GEMMs run on AMX tiles: the key of the row tables."""
     from pagedserve.host import cpu_info
-    return UNCOPIED_ROWS.get((_lib().qmatmul_q8_isa().decode(), "amx_bf16" in cpu_info()[1]), UNCOPIED_ROWS_OTHER)
+    return _lib().qmatmul_q8_isa().decode(), "amx_bf16" in cpu_info()[1]
 
 
 def packed_rows(int8_act: bool, forced: int | None = None) -> tuple[int, int, str]:
@@ -516,19 +528,13 @@ def packed_rows(int8_act: bool, forced: int | None = None) -> tuple[int, int, st
     PACKED_ROWS by this host's kind; `forced` (--packed-rows / PAGEDSERVE_PACKED_ROWS) for both instead.
     A constant of the host kind, so every start computes the same numbers; steps that carry a prompt's
     rows take the dense copy whatever their size (Packed.matmul)."""
-    if forced is None and os.environ.get("PAGEDSERVE_PACKED_ROWS"):
-        forced = int(os.environ["PAGEDSERVE_PACKED_ROWS"])
-    if forced is not None:
-        if forced < 1:
-            raise ValueError(f"packed_rows must be a positive integer, got {forced}")
-        return forced, forced, "pinned by --packed-rows"
+    pinned = _pinned_rows(forced)
+    if pinned is not None:
+        return pinned, pinned, "pinned by --packed-rows"
     if not int8_act:
         return (*PACKED_ROWS_FLOAT, "float activations")
-    from pagedserve.host import cpu_info
-    isa = _lib().qmatmul_q8_isa().decode()
-    amx = "amx_bf16" in cpu_info()[1]
-    rows = PACKED_ROWS.get((isa, amx), PACKED_ROWS_OTHER)
-    return (*rows, f"the table for {isa}{' + AMX' if amx else ''}")
+    isa, amx = _host_kind()
+    return (*PACKED_ROWS.get((isa, amx), PACKED_ROWS_OTHER), f"the table for {isa}{' + AMX' if amx else ''}")
 
 
 class PackedLinear(nn.Module):

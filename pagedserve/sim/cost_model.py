@@ -224,7 +224,7 @@ class LiveCost:
         # idle device; on a shared 2-core host steps ran 2-4x its prediction, issue 54)
         self.prior_scale = 1.0
 
-    def observe(self, rows: list[tuple[int, int, int]], seconds: float) -> None:
+    def observe(self, rows: Iterable[tuple[int, int, int]], seconds: float) -> None:
         import numpy as np
         i = self.count % self.WINDOW
         f = row_features(self.shape, rows)

@@ -186,10 +186,10 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
             if u.finished:
                 res.e2e_s.append(now - arrival[owner])
                 gap = worst.pop(rid, 0.0)
-                if left is not None and rid == owner:
-                    left.discard(meta[rid][0])
                 if rid == owner:
                     res.finished.append((*meta[rid], first.pop(rid, now - arrival[rid]), gap, now))
+                    if left is not None:
+                        left.discard(meta[rid][0])
                     if per is not None:
                         per["worst_itl_s"].append(gap)
         res.kv_usage.append((clock[0], kv.usage()))

@@ -126,10 +126,10 @@ def test_warm_runs_each_product_once_per_bucket(monkeypatch):
     monkeypatch.setattr(gemm_mod, "_WARMED", set())
     calls = []
     product = ("w", lambda x: calls.append(x.shape), 24, torch.float32, 4, 40)
-    line = gemm_mod.warm([product, product])
+    line = gemm_mod.Warmup([product, product]).run()
     assert calls == [(m, 24) for m in buckets_up_to(40) if m > 4] and line.startswith(f"{len(calls)} built")
     calls.clear()
-    gemm_mod.warm([product])
+    gemm_mod.Warmup([product]).run()
     assert not calls
 
 
