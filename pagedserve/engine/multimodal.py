@@ -99,12 +99,14 @@ def image_from_url(url: str, param: str, allowed_domains: list[str] | None):
 class ImageInputs:
     """A vision-language model's image inputs: its processor (HF's, saved with the model: the pixels
     HF's own processor makes), its image token and count, and the per-prompt limit. An image is one
-    encoder input (LLaVA: `seq_len` image tokens) or several (Idefics3: one per crop of the split
-    image, each `seq_len` image tokens, between the tokens HF's processor writes around them)."""
+    encoder input (LLaVA: `seq_len` image tokens; LLaVA-NeXT: as many as its size gives) or several
+    (Idefics3: one per crop of the split image, each `seq_len` image tokens, between the tokens HF's
+    processor writes around them)."""
 
     def __init__(self, path: str, vision_cfg, limit: int, tokenizer):
         from pagedserve.model.families import from_transformers
         from pagedserve.model.idefics3 import Idefics3VisionConfig
+        from pagedserve.model.llava_next import LlavaNextVisionConfig
         self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
         self.token_id: int = vision_cfg.image_token_id
         self.seq_len: int = vision_cfg.image_seq_len
@@ -113,8 +115,11 @@ class ImageInputs:
         self.tokenizer = tokenizer
         self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3)
         self.split = isinstance(vision_cfg, Idefics3VisionConfig)     # crops, and the tokens written around them
+        self.anyres = vision_cfg if isinstance(vision_cfg, LlavaNextVisionConfig) else None   # a count per size
         if self.split:
             _check_idefics3_processor(path, self.processor, vision_cfg)
+        if self.anyres:
+            self.anyres.check_processor(path, self.processor)
 
     def prompt(self, ids: list[int], urls: list[tuple[str, str]], allowed_domains: list[str] | None) -> dict:
         """A templated chat prompt and the image URLs its turns named (with the field naming each) -> the
@@ -130,6 +135,11 @@ class ImageInputs:
 
     def _image(self, img) -> tuple[list[int], list]:
         """One image -> the ids it stands for in the prompt and its encoder inputs (pixels), in order."""
+        if self.anyres:
+            from pagedserve.model.llava_next import AnyresImage
+            out = self.processor(images=[img], return_tensors="pt")
+            size = tuple(out["image_sizes"][0].tolist())
+            return [self.token_id] * self.anyres.image_tokens(*size), [AnyresImage(out["pixel_values"][0], size)]
         if not self.split:
             pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
             return [self.token_id] * self.seq_len, [pixels]
@@ -165,9 +175,8 @@ class ImageInputs:
         for (i, width), img, (rep, pixels) in zip(spots, images, parts):
             out.extend(ids[prev:i])
             h = image_hash(img)
-            runs = [k for k, t in enumerate(rep) if t == self.token_id and (k == 0 or rep[k - 1] != self.token_id)]
-            for n, (k, px) in enumerate(zip(runs, pixels)):       # one feature per run of seq_len image tokens
-                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", len(out) + k, self.seq_len, px))
+            for n, ((k, length), px) in enumerate(zip(_runs(rep, self.token_id), pixels)):   # a feature per run
+                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", len(out) + k, length, px))
             out.extend(rep)
             prev = i + width
         out.extend(ids[prev:])
@@ -188,6 +197,18 @@ class ImageInputs:
     def _mismatch(self, param: str, tokens: int, images: int) -> ParamError:
         return ParamError(param, f"{param}: the prompt has {tokens} image placeholder tokens for {images} images "
                                  "(one placeholder per image)")
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in ids."""
+    runs: list[tuple[int, int]] = []
+    for k, t in enumerate(ids):
+        if t == token:
+            if k and ids[k - 1] == token:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((k, 1))
+    return runs
 
 
 def _check_idefics3_processor(path: str, processor, cfg) -> None:

@@ -699,8 +699,10 @@ def _hf_model_config(path: str) -> ModelConfig:
         if hf.get("model_type") not in VISION_MODEL_TYPES:
             return model_config(hf)
         from pagedserve.model.idefics3 import idefics3_vision_config    # a vision-language model: its parts
+        from pagedserve.model.llava_next import llava_next_vision_config
         from pagedserve.model.vision import llava_vision_config
-        vision = (llava_vision_config if hf["model_type"] == "llava" else idefics3_vision_config)(hf)
+        vision = {"llava": llava_vision_config, "llava_next": llava_next_vision_config}.get(
+            hf["model_type"], idefics3_vision_config)(hf)
         cfg = model_config(hf["text_config"])
         cfg.vision = vision
         return cfg

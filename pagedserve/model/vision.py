@@ -80,25 +80,25 @@ def _check(where: str, d: dict, reads: frozenset, inert: frozenset) -> None:
                                         "not implement; refusing to load it")
 
 
-def llava_vision_config(hf: dict) -> VisionConfig:
+def llava_vision_config(hf: dict, where: str = "llava") -> VisionConfig:
     """The VisionConfig of a transformers LlavaConfig dict (after its own defaults), or a refusal naming
-    the field we do not compute."""
-    _check("llava", hf, _LLAVA_READS, _LLAVA_INERT)
+    the field we do not compute (`where`: the model_type the message names)."""
+    _check(where, hf, _LLAVA_READS, _LLAVA_INERT)
     vc = hf["vision_config"]
     if vc.get("model_type") != "clip_vision_model":
-        raise UnsupportedModelError(f"llava: vision_config.model_type {vc.get('model_type')!r} is not implemented "
+        raise UnsupportedModelError(f"{where}: vision_config.model_type {vc.get('model_type')!r} is not implemented "
                                     "(supported: clip_vision_model)")
-    _check("llava vision_config", vc, _CLIP_READS, _CLIP_INERT)
+    _check(f"{where} vision_config", vc, _CLIP_READS, _CLIP_INERT)
     for key, value, ok in (("vision_config.hidden_act", vc["hidden_act"], _ACTS),
                            ("projector_hidden_act", hf["projector_hidden_act"], _ACTS),
                            ("vision_feature_select_strategy", hf["vision_feature_select_strategy"], ("default", "full"))):
         if value not in ok:
-            raise UnsupportedModelError(f"llava: {key}={value!r} is not implemented (supported: {', '.join(ok)})")
+            raise UnsupportedModelError(f"{where}: {key}={value!r} is not implemented (supported: {', '.join(ok)})")
     layers = hf["vision_feature_layer"]
     layers = tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)
     n = vc["num_hidden_layers"]
     if any(not -(n + 1) <= i <= n for i in layers):
-        raise UnsupportedModelError(f"llava: vision_feature_layer {layers} is outside the tower's {n} layers")
+        raise UnsupportedModelError(f"{where}: vision_feature_layer {layers} is outside the tower's {n} layers")
     cfg = VisionConfig(
         hidden_size=vc["hidden_size"], intermediate_size=vc["intermediate_size"], num_layers=n,
         num_heads=vc["num_attention_heads"], image_size=vc["image_size"], patch_size=vc["patch_size"],
@@ -109,7 +109,7 @@ def llava_vision_config(hf: dict) -> VisionConfig:
         image_token_id=hf.get("image_token_id", hf.get("image_token_index")))
     seq = hf.get("image_seq_length")
     if seq is not None and seq != cfg.image_seq_len:
-        raise UnsupportedModelError(f"llava: image_seq_length {seq} differs from the tower's {cfg.image_seq_len} "
+        raise UnsupportedModelError(f"{where}: image_seq_length {seq} differs from the tower's {cfg.image_seq_len} "
                                     "vectors per image")
     return cfg
 

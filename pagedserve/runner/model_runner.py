@@ -293,8 +293,10 @@ class ModelRunner:
             return None
         new = {f.hash: f for s in so.seqs for f in s.mm_inputs if f.hash not in self.encoder_cache}
         if new:
-            pixels = torch.stack([f.data for f in new.values()]).to(self.device)
-            for h, v in zip(new, self.model.vision(pixels)):
+            data = [f.data for f in new.values()]       # pixels; LLaVA-NeXT: an image's patches and size each
+            inputs = torch.stack(data).to(self.device) if isinstance(data[0], torch.Tensor) else \
+                [d.to(self.device) for d in data]
+            for h, v in zip(new, self.model.vision(inputs)):
                 self.encoder_cache[h] = v
             self.encoder_runs += len(new)
         x = self.model.embed(input_ids)

@@ -203,6 +203,42 @@ def save_tiny_llava(d, sharpen: float = 3.0):
     return hf, proc
 
 
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]]   # (height, width): 1x2 .. 3x1 patches of 28 px
+
+
+def save_tiny_llava_next(d, sharpen: float = 3.0, **fields):
+    """A seeded random LLaVA-NeXT (transformers' LlavaNextForConditionalGeneration: LLaVA-1.5's tiny tower and
+    projector, anyres over NEXT_PINPOINTS, image_newline) with its LlavaNextProcessor (the PIL image processor:
+    no torchvision) saved beside it in d; `fields` override the model's config. Returns (model, processor)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessorPil, LlavaNextProcessor)
+    tok = tiny_tokenizer(256)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                          image_seq_length=(IMAGE_SIZE // PATCH) ** 2, image_grid_pinpoints=NEXT_PINPOINTS,
+                          **({"vision_feature_layer": -2, "vision_feature_select_strategy": "default"} | fields))
+    torch.manual_seed(0)
+    hf = LlavaNextForConditionalGeneration(cfg).eval()
+    _sharpen(hf, sharpen)
+    with torch.no_grad():      # (as large as a patch vector, so a misplaced newline changes the tokens)
+        hf.model.image_newline.normal_(0.0, 1.0)
+    hf.save_pretrained(d)
+    size = {"shortest_edge": IMAGE_SIZE}
+    images = LlavaNextImageProcessorPil(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                        image_grid_pinpoints=NEXT_PINPOINTS)
+    proc = LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=PATCH,
+                              vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                              num_additional_image_tokens=1)
+    proc.save_pretrained(d)
+    return hf, proc
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 50)):
     """A seeded random RGB PIL image (width, height)."""
     import numpy as np
