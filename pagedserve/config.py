@@ -102,6 +102,8 @@ class EngineArgs:
         "GGUF file, HF folder or Hub id ORG/NAME[:QUANT] (a GGUF repository's file by quantization name, "
         "e.g. :Q4_K_M); default: the bundled SmolLM2-135M-Instruct"))
     revision: str | None = field(default=None, metadata=_h("Hub revision (branch, tag or commit) of a Hub id"))
+    mmproj: str | None = field(default=None, metadata=_h(
+        "llama.cpp's image encoder GGUF (mmproj) beside a GGUF text model: LLaVA-1.5's CLIP tower and projector"))
     dtype: str = field(default="auto", metadata=_h(
         "float32 | bfloat16 | float16 | auto (bfloat16 where the CPU multiplies it natively: AMX-BF16 or "
         "AVX512-BF16; float32 on other CPUs; bfloat16 on GPU). Norms, softmax, logits and sampling stay float32"))

@@ -77,6 +77,7 @@ class EngineCore:
         t0 = time.perf_counter()
         with phase("resolve model"):
             self.source = resolve_model(args.model, args.revision)
+            self.source.mmproj = args.mmproj
             dtype_name, why = auto_dtype(args.device) if args.dtype == "auto" else (args.dtype, "asked for")
             log.info("dtype %s (%s)", dtype_name, why)
         with phase("executor"):

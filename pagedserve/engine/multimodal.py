@@ -107,8 +107,12 @@ class ImageInputs:
         from pagedserve.model.families import from_transformers
         from pagedserve.model.idefics3 import Idefics3VisionConfig
         from pagedserve.model.llava_next import LlavaNextVisionConfig
-        self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
-        self.token_id: int = vision_cfg.image_token_id
+        from pagedserve.model.mmproj import MmprojVisionConfig
+        if isinstance(vision_cfg, MmprojVisionConfig):   # llama.cpp's file: no saved processor, no image token
+            self.processor, self.token_id = vision_cfg.image_processor(), vision_cfg.image_token(tokenizer)
+        else:
+            self.processor = from_transformers("AutoImageProcessor").from_pretrained(path)
+            self.token_id: int = vision_cfg.image_token_id
         self.seq_len: int = vision_cfg.image_seq_len
         self.limit = limit
         self.placeholder: str = tokenizer.convert_ids_to_tokens(self.token_id)   # its text in a chat turn ("<image>")

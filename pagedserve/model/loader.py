@@ -54,6 +54,7 @@ class ModelSource:
     kind: str          # "gguf" | "hf"
     path: str          # the .gguf file or the HF folder
     name: str          # what /v1/models reports
+    mmproj: str | None = None   # llama.cpp's image encoder file beside a GGUF text model (model/mmproj.py)
 
 
 def default_model_path() -> str:
@@ -171,7 +172,8 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {src.path} is an HF "
                          "folder; use quantization int8 or none")
     st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy, packed_rows)
+    key = (os.path.realpath(src.path), st.st_mtime_ns, dtype, device, quantization, int8_act, dense_copy, packed_rows,
+           src.mmproj and (os.path.realpath(src.mmproj), os.stat(src.mmproj).st_mtime_ns))
     held, cfg = _LOADED.get(key, (None, None))
     model = held() if isinstance(held, weakref.ref) else held
     if model is None:
@@ -202,9 +204,11 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
         else:
             read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
             cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
+    vision = _vision_weights(cfg, weights) if cfg.vision is not None else None
+    if src.mmproj is not None:
+        cfg.vision, vision = _read_mmproj(src, cfg, dtype)
     if cfg.vision is not None and tp is not None and tp.size > 1:
         raise ModelLoadError(f"{src.path}: a vision-language model runs on one rank (tensor_parallel_size 1)")
-    vision = _vision_weights(cfg, weights) if cfg.vision is not None else None
     with startup.phase("model build"):
         model = _build_model(src, cfg, weights, dtype, device, quantization, tp)
         model.vision = None if vision is None else _build_vision(cfg, vision, dtype, device)
@@ -266,6 +270,18 @@ def _build_model(src: ModelSource, cfg: ModelConfig, weights: dict, dtype: torch
 
 def _vision_weights(cfg: ModelConfig, weights: dict) -> dict:
     return cfg.vision.take_weights(weights)    # (the encoder's tensors, popped from weights)
+
+
+def _read_mmproj(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype):
+    """llama.cpp's image encoder beside a GGUF text model: its config and tensors (model/mmproj.py)."""
+    from pagedserve.model.mmproj import read_mmproj
+    if src.kind != "gguf":
+        raise ModelLoadError(f"--mmproj {src.mmproj}: an image encoder file goes beside a GGUF text model, and "
+                             f"{src.path} is an HF folder (its config.json names its own vision tower)")
+    try:
+        return read_mmproj(src.mmproj, cfg.hidden_size, dtype)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):

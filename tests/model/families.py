@@ -98,7 +98,8 @@ def write_gguf(name: str, hf, path, qtype: str | None = None) -> str:
     import gguf
     arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
             "granite": gguf.MODEL_ARCH.GRANITE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-            "smollm3": gguf.MODEL_ARCH.SMOLLM3, "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA}[name]
+            "smollm3": gguf.MODEL_ARCH.SMOLLM3, "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA,
+            "llama": gguf.MODEL_ARCH.LLAMA}[name]
     c = hf.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_context_length(c.max_position_embeddings)
@@ -153,7 +154,7 @@ def write_gguf(name: str, hf, path, qtype: str | None = None) -> str:
         t = t.detach().float()
         if gemma and key.endswith("norm.weight"):
             t = t + 1.0
-        if name in ("granite", "smollm3", "mixtral") and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if name in ("granite", "smollm3", "mixtral", "llama") and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         gname, arr = names.get_name(key, try_suffixes=(".weight", ".bias")), t.numpy()
