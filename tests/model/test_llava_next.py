@@ -207,6 +207,26 @@ def test_encoder_cache_without_prefix_cache(next_model):
     _idle(llm)
 
 
+def test_encoder_budget_cuts_before_an_image(next_model):
+    """A budget of one image a step (raised to the most tokens one image can take: 88): the two-image request's
+    first chunk stops before its second image, while a running request's decode goes on in the same steps."""
+    llm = _llm(next_model[0], encoder_budget_tokens=72, enable_prefix_caching=False)
+    eng = llm.engine
+    assert eng.core.scheduler.encoder.budget_tokens == 88
+    eng.add_request("text", {"prompt": "w5 w6 w7"}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.add_request("img", {"prompt": PROMPT2, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)
+    eng.step()
+    req, text = eng.core.scheduler.requests["img"], eng.core.scheduler.requests["text"]
+    assert req.num_computed_tokens == req.mm_features[1].offset and text.num_output_tokens == 2
+    eng.step()
+    assert req.num_computed_tokens == req.num_prompt_tokens and text.num_output_tokens == 3
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.core.runner.encoder_runs == 2
+    _idle(llm)
+
+
 def test_chat_with_image_parts_offline(next_model):
     import base64
     import io
