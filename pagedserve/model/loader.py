@@ -269,7 +269,7 @@ def _vision_weights(cfg: ModelConfig, weights: dict) -> dict:
 
 
 def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):
-    """The image encoder (model/vision.py, model/idefics3.py), beside the language model: dense in the model's dtype."""
+    """The image encoder (model/vision.py, idefics3.py, gemma3_vision.py), beside the language model: dense in the model's dtype."""
     with torch.device("meta"):
         vision = cfg.vision.build()
     want = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
@@ -698,9 +698,11 @@ def _hf_model_config(path: str) -> ModelConfig:
         hf = hf_config_dict(path)
         if hf.get("model_type") not in VISION_MODEL_TYPES:
             return model_config(hf)
-        from pagedserve.model.idefics3 import idefics3_vision_config    # a vision-language model: its parts
+        from pagedserve.model.gemma3_vision import gemma3_vision_config   # a vision-language model: its parts
+        from pagedserve.model.idefics3 import idefics3_vision_config
         from pagedserve.model.vision import llava_vision_config
-        vision = (llava_vision_config if hf["model_type"] == "llava" else idefics3_vision_config)(hf)
+        vision = {"llava": llava_vision_config, "gemma3": gemma3_vision_config}.get(
+            hf["model_type"], idefics3_vision_config)(hf)
         cfg = model_config(hf["text_config"])
         cfg.vision = vision
         return cfg
