@@ -117,7 +117,7 @@ class ImageInputs:
         self.placeholder: str = tokenizer.convert_ids_to_tokens(self.placeholder_id)   # its text in a chat turn
         self.tokenizer = tokenizer
         self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3, Gemma 3)
-        self._newline: dict[int, bool] = {}                     # token id -> is it newlines only (Gemma 3)
+        self._newline: dict[int, int] = {}                      # token id -> the newlines it is (Gemma 3)
         self.split = isinstance(vision_cfg, Idefics3VisionConfig)     # crops, and the tokens written around them
         if self.split:
             _check_idefics3_processor(path, self.processor, vision_cfg)
@@ -202,14 +202,19 @@ class ImageInputs:
             a -= 1
         while b < len(more) and self._is_newline(more[b]):
             b += 1
-        out[a:] = self.tokenizer.encode(self.tokenizer.decode(out[a:] + list(more[:b])), add_special_tokens=False)
+        run = "\n" * sum(self._newlines(t) for t in out[a:] + list(more[:b]))
+        out[a:] = self.tokenizer.encode(run, add_special_tokens=False)
         out.extend(more[b:])
 
-    def _is_newline(self, t: int) -> bool:
+    def _newlines(self, t: int) -> int:
+        """How many newlines token t is (0: it is something else)."""
         if t not in self._newline:
             text = self.tokenizer.decode([t])
-            self._newline[t] = bool(text) and set(text) == {"\n"}
+            self._newline[t] = len(text) if text and set(text) == {"\n"} else 0
         return self._newline[t]
+
+    def _is_newline(self, t: int) -> bool:
+        return self._newlines(t) > 0
 
     def _as_is(self, ids: list[int], images: list, parts: list, param: str) -> tuple[MMFeature, ...]:
         """Gemma 3 ids HF's processor expanded: one run of seq_len image tokens per image, in order."""

@@ -278,6 +278,8 @@ def save_tiny_gemma3(d, sharpen: float = 4.0):
                                     image_token_index=tok.image_token_id)
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():    # (HF initializes the projection to zeros: every image would be the same)
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
     _sharpen(hf, sharpen)
     hf.save_pretrained(d)
     proc = transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(
