@@ -37,15 +37,13 @@ def image(seed: int):
 _REFS: dict = {}
 
 
-def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8, two_way: bool = True):
-    """HF's greedy continuation (EOS ignored), its per-step logprobs and the prompt ids its processor built;
-    two_way=False: HF without token_type_ids (every token causal), to show the tests can tell."""
-    key = (text, seeds, n, two_way)
+def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8):
+    """HF's greedy continuation (EOS ignored), its per-step logprobs and the prompt ids its processor built
+    (with its token_type_ids: the two-way mask over each image), computed once per module."""
+    key = (text, seeds, n)
     if key not in _REFS:
         _, hf, proc = model
         inp = proc(text=text, images=[image(s) for s in seeds], return_tensors="pt")
-        if not two_way:
-            inp.pop("token_type_ids")
         with torch.inference_mode():
             out = hf.generate(**inp, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
                               output_logits=True, return_dict_in_generate=True)
