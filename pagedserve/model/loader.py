@@ -269,7 +269,8 @@ def _vision_weights(cfg: ModelConfig, weights: dict) -> dict:
 
 
 def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):
-    """The image encoder (model/vision.py, idefics3.py, gemma3_vision.py), beside the language model: dense in the model's dtype."""
+    """The image encoder (model/vision.py, idefics3.py, gemma3_vision.py), beside the language model: dense in
+    the model's dtype."""
     with torch.device("meta"):
         vision = cfg.vision.build()
     want = {k: tuple(v.shape) for k, v in vision.state_dict().items()}

@@ -150,6 +150,20 @@ def test_chunked_prefill_never_splits_an_image(gemma3):
     assert_idle(llm)
 
 
+def test_whole_images_rule():
+    """EncoderCacheManager.whole, exact: an image at 10..25. A chunk ending inside it stops before it; one starting
+    at it (or inside it, after a prefix hit) runs to its end when the step's budget holds that, else waits (0);
+    chunks ending at or outside it are untouched; without whole_images nothing changes."""
+    from pagedserve.core.encoder_cache import EncoderCacheManager
+    from pagedserve.core.request import MMFeature, Request
+    req = Request("r", [1] * 40, SamplingParams(), max_tokens=1, mm_features=(MMFeature("h", 10, 16),))
+    enc = EncoderCacheManager(64, 64, whole_images=True)
+    assert [enc.whole(req, 4, 12, 36), enc.whole(req, 10, 6, 36), enc.whole(req, 10, 6, 15),
+            enc.whole(req, 16, 4, 24), enc.whole(req, 16, 4, 9), enc.whole(req, 26, 6, 14),
+            enc.whole(req, 0, 10, 40), enc.whole(req, 0, 26, 40)] == [6, 16, 0, 10, 0, 6, 10, 26]
+    assert EncoderCacheManager(64, 64).whole(req, 4, 12, 36) == 12
+
+
 def test_a_budget_smaller_than_an_image_is_refused(gemma3):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _llm(gemma3[0], max_num_batched_tokens=8)
@@ -202,6 +216,37 @@ def test_same_image_shares_blocks_a_hit_inside_the_image_stays_exact(gemma3):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("path", ["torch", "native", "triton"])
+def test_prefill_key_limits_open_an_image_both_ways(path):
+    """A chunk at positions 6..17 over a 6-token cached prefix, an image at 8..13: its queries see keys up to 13,
+    the others causally, each within a window of 10 behind it, whichever path the step was given (the native
+    and Triton ones hand such a step to the torch path's mask); without the limits the image's queries differ."""
+    from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention
+    torch.manual_seed(0)
+    bs, n_kv, nh, hd, n, q_len, window = 4, 2, 4, 8, 18, 12, 10
+    kv = LayerKV(torch.randn(8, bs, n_kv, hd), torch.randn(8, bs, n_kv, hd))
+    table = torch.tensor([[3, 1, 5, 2, 7]])
+    q = torch.randn(q_len, nh, hd)
+    pos = torch.arange(n - q_len, n)
+    limits = torch.where((pos >= 8) & (pos <= 13), 13, pos)
+    keys, values = (x[table[0]].flatten(0, 1)[:n].repeat_interleave(nh // n_kv, dim=1) for x in (kv.k, kv.v))
+    key = torch.arange(n)[None]
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.3
+    scores = scores.masked_fill(~((key <= limits[:, None]) & (key > pos[:, None] - window)), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+    def run(lim):
+        md = AttentionMetadata(torch.zeros(q_len, dtype=torch.long), prefill_block_tables=table,
+                               prefill_cu_q=torch.tensor([0, q_len]), prefill_context_lens=torch.tensor([n]),
+                               native=path == "native", native_prefill=path == "native", triton=path == "triton",
+                               max_prefill_q=q_len, prefill_key_limits=lim)
+        return paged_attention(q, kv, md, 0.3, window)
+    assert torch.allclose(run(limits), want, atol=1e-5)
+    causal = run(None) if path == "torch" else None
+    if causal is not None:
+        assert not torch.allclose(causal[2:7], want[2:7], atol=1e-3) and torch.allclose(causal[8:], want[8:], atol=1e-5)
+
+
 def _edited(path: str, tmp_path, name: str, edit) -> str:
     d = tmp_path / name
     shutil.copytree(path, d)
@@ -217,7 +262,8 @@ def _edited(path: str, tmp_path, name: str, edit) -> str:
     ("vision_config.model_type", {"config.json": lambda c: c["vision_config"].update(model_type="clip_vision_model")}),
     ("mm_tokens_per_image", {"config.json": lambda c: c.update(mm_tokens_per_image=9)}),
     ("image_token_index", {"config.json": lambda c: c.update(image_token_index=100000)}),
-    ("use_bidirectional_attention", {"config.json": lambda c: c["text_config"].update(use_bidirectional_attention=True)}),
+    ("use_bidirectional_attention", {"config.json": lambda c: c["text_config"].update(
+        use_bidirectional_attention=True)}),
     ("image_seq_length", {"processor_config.json": lambda c: c.update(image_seq_length=9)}),
     ("do_pan_and_scan", {"processor_config.json": lambda c: c["image_processor"].update(do_pan_and_scan=True)}),
     ("vision_config.image_size", {"processor_config.json": lambda c: c["image_processor"].update(
