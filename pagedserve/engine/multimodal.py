@@ -173,7 +173,8 @@ class ImageInputs:
         at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) < len(images):
             raise self._mismatch(param, len(at), len(images))
-        spots = [(i, 1) for i in at] if len(at) == len(images) else self._expanded(ids, at, parts)
+        spots = [(i, 1) for i in at] if len(at) == len(images) else None if self.gemma3 else \
+            self._expanded(ids, at, parts)
         if spots is None:
             raise self._mismatch(param, len(at), len(images))
         out: list[int] = []

@@ -401,7 +401,9 @@ def _image_spans(s, row0: int) -> list[tuple[int, int, int]]:
     out = []
     for f in s.mm_inputs:
         lo, hi = max(f.offset, s.start), min(f.end, s.start + s.num_tokens)
-        assert hi == f.end, "a prefill chunk ends inside a two-way image span"
+        if hi != f.end:
+            raise RuntimeError(f"a prefill chunk ends at {hi} inside an image at {f.offset}..{f.end - 1} whose tokens "
+                               "attend both ways (the scheduler's EncoderCacheManager.whole keeps them whole)")
         out.append((row0 + lo - s.start, hi - lo, f.end - 1))
     return out
 

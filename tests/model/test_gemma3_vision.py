@@ -119,6 +119,8 @@ def test_a_prompt_expanded_by_hf_is_taken_as_it_is(gemma3):
     from pagedserve.errors import ParamError
     with pytest.raises(ParamError, match="runs of 16"):
         llm.generate({"prompt_token_ids": ref[2], "multi_modal_data": {"image": [image(1)]}}, GREEDY)
+    with pytest.raises(ParamError, match="2 image placeholder tokens for 1 images"):
+        llm.generate(_prompt(PROMPT2, (1,)), GREEDY)
     assert_idle(llm)
 
 
