@@ -5,6 +5,10 @@ step record tells it which to drop. Two limits:
 - a per-step **encoder budget** (image tokens encoded in one step): a prefill chunk that would reach an
   image not yet encoded beyond it is cut before that image, so a request with many images cannot
   stall the step's decodes (the image is encoded in a later step);
+- where an image's tokens attend to each other both ways (Gemma 3: `whole_images`), a prefill chunk
+  never ends inside an image (`whole`; vLLM's disable_chunked_mm_input): cut before it, or, when the
+  chunk starts at (or, after a prefix hit, inside) it, run to its end if the step's token budget holds
+  that, past the long-prefill threshold and a traffic class's time fit (else the request waits a step);
 - a **capacity** (image tokens kept): entries no running request uses are evicted least recently used
   first when a new one needs room. Entries in use are never evicted (they may exceed the capacity
   while many different images prefill at once; the next releases bring it back down).
@@ -20,9 +24,10 @@ from pagedserve.core.request import MMFeature, Request
 
 
 class EncoderCacheManager:
-    def __init__(self, capacity_tokens: int, budget_tokens: int):
+    def __init__(self, capacity_tokens: int, budget_tokens: int, whole_images: bool = False):
         self.capacity_tokens = capacity_tokens
         self.budget_tokens = budget_tokens
+        self.whole_images = whole_images                    # no prefill chunk ends inside an image
         self.sizes: OrderedDict[str, int] = OrderedDict()   # hash -> image tokens, least recently used first
         self.size_tokens = 0                                # sum of sizes (what /metrics shows)
         self.users: dict[str, set[str]] = {}                # hash -> request ids holding it
@@ -50,6 +55,19 @@ class EncoderCacheManager:
                 return max(0, f.offset - start)
             self.left -= f.length
             self.planned.add(f.hash)
+        return n
+
+    def whole(self, req: Request, start: int, n: int, most: int) -> int:
+        """Tokens of req's chunk start..start+n-1 with no image split at its end: cut before the image the
+        chunk would end inside, or, when the chunk starts at or inside that image, run to its end if
+        `most` (the tokens the step's budget allows) reaches it, else 0 (the request waits a step)."""
+        if not self.whole_images:
+            return n
+        for f in req.mm_features:
+            if f.offset < start + n < f.end:
+                if f.offset > start:
+                    return f.offset - start
+                return f.end - start if f.end - start <= most else 0
         return n
 
     def use(self, req: Request, start: int, n: int) -> tuple[MMFeature, ...]:

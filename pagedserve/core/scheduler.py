@@ -359,7 +359,7 @@ class Scheduler:
             if lim is not None:
                 n = lim.fit(req, done, n)
         if req.mm_features and n > 0:             # images beyond the step's encoder budget wait for a later step
-            n = self.encoder.cut(req, done, n)
+            n = self.encoder.cut(req, done, self.encoder.whole(req, done, n, min(req.num_tokens - done, budget)))
         return n
 
     def _schedule_running(self, plan: list, preempted: list[str], budget: int, lim: _StepLimits | None,

@@ -207,12 +207,19 @@ class EngineCore:
             return None, None
         if args.enable_lora:
             raise ValueError("enable_lora: LoRA adapters are not supported with a vision-language model")
+        seq_len, whole = cfg.vision.image_seq_len, getattr(cfg.vision, "bidirectional", False)
+        if whole and args.max_num_batched_tokens < seq_len:     # (an image is never split across prefill chunks)
+            raise ValueError(f"max_num_batched_tokens {args.max_num_batched_tokens} is less than the {seq_len} tokens "
+                             "of one image, whose tokens attend to each other both ways and prefill in one step")
+        if whole and args.batch_invariant:
+            raise ValueError("batch_invariant: every prompt row a decode row cannot attend both ways over an "
+                             "image's tokens (Gemma 3); not supported with this model")
         images = ImageInputs(self.source.path, cfg.vision, image_limit(args.limit_mm_per_prompt), self.tokenizer)
-        budget = max(args.encoder_budget_tokens or args.max_num_batched_tokens, cfg.vision.image_seq_len)
-        capacity = max(args.encoder_cache_tokens or 4 * budget, cfg.vision.image_seq_len)
-        log.info("images: %d tokens each, at most %d per prompt; encoder budget %d tokens a step, cache %d tokens",
-                 cfg.vision.image_seq_len, images.limit, budget, capacity)
-        return images, EncoderCacheManager(capacity, budget)
+        budget = max(args.encoder_budget_tokens or args.max_num_batched_tokens, seq_len)
+        capacity = max(args.encoder_cache_tokens or 4 * budget, seq_len)
+        log.info("images: %d tokens each, at most %d per prompt; encoder budget %d tokens a step, cache %d tokens%s",
+                 seq_len, images.limit, budget, capacity, "; never split across prefill chunks" if whole else "")
+        return images, EncoderCacheManager(capacity, budget, whole_images=whole)
 
     def _finish(self, args: EngineArgs, cfg, spec, draft, encoder: EncoderCacheManager | None) -> None:
         """Everything after the pool: EOS ids, the grammar compiler, traffic classes, LoRA, speculation, and the

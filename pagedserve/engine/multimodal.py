@@ -105,6 +105,7 @@ class ImageInputs:
 
     def __init__(self, path: str, vision_cfg, limit: int, tokenizer):
         from pagedserve.model.families import from_transformers
+        from pagedserve.model.gemma3_vision import Gemma3VisionConfig
         from pagedserve.model.idefics3 import Idefics3VisionConfig
         from pagedserve.model.llava_next import LlavaNextVisionConfig
         from pagedserve.model.mmproj import MmprojVisionConfig
@@ -115,15 +116,22 @@ class ImageInputs:
             self.token_id: int = vision_cfg.image_token_id
         self.seq_len: int = vision_cfg.image_seq_len
         self.limit = limit
-        self.placeholder: str = tokenizer.convert_ids_to_tokens(self.token_id)   # its text in a chat turn ("<image>")
+        # Gemma 3: the text names an image by <start_of_image>, written out around image_token x seq_len
+        self.gemma3 = isinstance(vision_cfg, Gemma3VisionConfig)
+        self.placeholder_id: int = vision_cfg.boi_token_id if self.gemma3 else self.token_id
+        self.eoi_id: int | None = vision_cfg.eoi_token_id if self.gemma3 else None
+        self.placeholder: str = tokenizer.convert_ids_to_tokens(self.placeholder_id)   # its text in a chat turn
         self.tokenizer = tokenizer
-        self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3)
+        self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3, Gemma 3)
+        self._newline: dict[int, int] = {}                      # token id -> the newlines it is (Gemma 3)
         self.split = isinstance(vision_cfg, Idefics3VisionConfig)     # crops, and the tokens written around them
         self.anyres = vision_cfg if isinstance(vision_cfg, LlavaNextVisionConfig) else None   # a count per size
         if self.split:
             _check_idefics3_processor(path, self.processor, vision_cfg)
         if self.anyres:
             self.anyres.check_processor(path, self.processor)
+        if self.gemma3:
+            _check_gemma3_processor(path, self.processor, vision_cfg)
 
     def prompt(self, ids: list[int], urls: list[tuple[str, str]], allowed_domains: list[str] | None) -> dict:
         """A templated chat prompt and the image URLs its turns named (with the field naming each) -> the
@@ -144,6 +152,13 @@ class ImageInputs:
             out = self.processor(images=[img], return_tensors="pt")
             size = tuple(out["image_sizes"][0].tolist())
             return [self.token_id] * self.anyres.image_tokens(*size), [AnyresImage(out["pixel_values"][0], size)]
+        if self.gemma3:
+            if (0, 0) not in self._layouts:
+                from pagedserve.model.gemma3_vision import image_prompt
+                name = self.tokenizer.convert_ids_to_tokens
+                text = image_prompt(self.placeholder, name(self.token_id), name(self.eoi_id), self.seq_len)
+                self._layouts[(0, 0)] = self.tokenizer.encode(text, add_special_tokens=False)
+            return self._layouts[(0, 0)], [self.processor(images=[img], return_tensors="pt")["pixel_values"][0]]
         if not self.split:
             pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
             return [self.token_id] * self.seq_len, [pixels]
@@ -159,32 +174,71 @@ class ImageInputs:
         return rep, pixels
 
     def expand(self, ids: list[int], images: list, param: str) -> tuple[list[int], tuple[MMFeature, ...]]:
-        """Each image placeholder (one image token) -> the image's ids (its seq_len image tokens per encoder
+        """Each image placeholder (one token) -> the image's ids (its seq_len image tokens per encoder
         input, and what the family writes around them), each encoder input an MMFeature (the prompt's images
         in order). A prompt already expanded (ids built by HF's processor) is taken as it is."""
         from pagedserve.model.vision import image_hash
         if len(images) > self.limit:
             raise ParamError(param, f"{param}: {len(images)} images, more than the {self.limit} allowed per prompt "
                                     "(--limit-mm-per-prompt)")
-        at = [i for i, t in enumerate(ids) if t == self.token_id]
+        parts = [self._image(img) for img in images]
+        if self.gemma3 and self.token_id in ids:       # Gemma 3's placeholder is not its image token: expanded
+            return ids, self._as_is(ids, images, parts, param)
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) < len(images):
             raise self._mismatch(param, len(at), len(images))
-        parts = [self._image(img) for img in images]
-        spots = [(i, 1) for i in at] if len(at) == len(images) else self._expanded(ids, at, parts)
+        spots = [(i, 1) for i in at] if len(at) == len(images) else None if self.gemma3 else \
+            self._expanded(ids, at, parts)
         if spots is None:
             raise self._mismatch(param, len(at), len(images))
         out: list[int] = []
         feats = []
         prev = 0
         for (i, width), img, (rep, pixels) in zip(spots, images, parts):
-            out.extend(ids[prev:i])
+            self._join(out, ids[prev:i])
+            self._join(out, rep)
+            first = len(out) - len(rep)                 # (a join changes only newline tokens before the image's)
             h = image_hash(img)
             for n, ((k, length), px) in enumerate(zip(_runs(rep, self.token_id), pixels)):   # a feature per run
-                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", len(out) + k, length, px))
-            out.extend(rep)
+                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", first + k, length, px))
             prev = i + width
-        out.extend(ids[prev:])
+        self._join(out, ids[prev:])
         return out, tuple(feats)
+
+    def _join(self, out: list[int], more: list[int]) -> None:
+        """out += more; for Gemma 3 the newline tokens meeting at the seam tokenized again as one run, as
+        HF's processor tokenizes the text it wrote ("\n" then "\n\n" is one "\n\n\n" token there)."""
+        if not (self.gemma3 and out and more and self._is_newline(out[-1]) and self._is_newline(more[0])):
+            out.extend(more)
+            return
+        a, b = len(out), 0
+        while a and self._is_newline(out[a - 1]):
+            a -= 1
+        while b < len(more) and self._is_newline(more[b]):
+            b += 1
+        run = "\n" * sum(self._newlines(t) for t in out[a:] + list(more[:b]))
+        out[a:] = self.tokenizer.encode(run, add_special_tokens=False)
+        out.extend(more[b:])
+
+    def _newlines(self, t: int) -> int:
+        """How many newlines token t is (0: it is something else)."""
+        if t not in self._newline:
+            text = self.tokenizer.decode([t])
+            self._newline[t] = len(text) if text and set(text) == {"\n"} else 0
+        return self._newline[t]
+
+    def _is_newline(self, t: int) -> bool:
+        return self._newlines(t) > 0
+
+    def _as_is(self, ids: list[int], images: list, parts: list, param: str) -> tuple[MMFeature, ...]:
+        """Gemma 3 ids HF's processor expanded: one run of seq_len image tokens per image, in order."""
+        from pagedserve.model.vision import image_hash
+        runs = [k for k, t in enumerate(ids) if t == self.token_id and (k == 0 or ids[k - 1] != self.token_id)]
+        ends = [k for k in runs if ids[k:k + self.seq_len + 1] == [self.token_id] * self.seq_len + [self.eoi_id]]
+        if len(runs) != len(images) or ends != runs:
+            raise ParamError(param, f"{param}: the prompt's image tokens are not {len(images)} runs of {self.seq_len} "
+                                    "(one per image, as HF's processor writes them)")
+        return tuple(MMFeature(image_hash(img), k, self.seq_len, px[0]) for k, img, (_, px) in zip(runs, images, parts))
 
     def _expanded(self, ids: list[int], at: list[int], parts: list) -> list[tuple[int, int]] | None:
         """Where each image's ids already stand in a prompt expanded by HF's processor (start, length), or
@@ -233,6 +287,27 @@ def _check_idefics3_processor(path: str, processor, cfg) -> None:
     if seq != cfg.image_seq_len:
         raise UnsupportedModelError(f"{path}: processor_config.json image_seq_len {seq} differs from the model's "
                                     f"{cfg.image_seq_len} vectors per crop")
+
+
+def _check_gemma3_processor(path: str, processor, cfg) -> None:
+    """The saved processor must make the tower's square images and write mm_tokens_per_image image tokens
+    per image, without pan-and-scan crops (not implemented); otherwise refused at load, naming the field."""
+    from pagedserve.model.families import UnsupportedModelError
+    size = getattr(processor, "size", None) or {}
+    if (size.get("height"), size.get("width")) != (cfg.image_size, cfg.image_size):
+        raise UnsupportedModelError(f"{path}: the image processor's size {size} is not the vision tower's "
+                                    f"{cfg.image_size} x {cfg.image_size} (vision_config.image_size)")
+    if getattr(processor, "do_pan_and_scan", None):
+        raise UnsupportedModelError(f"{path}: the image processor's do_pan_and_scan (extra crops per image) is not "
+                                    "implemented")
+    try:
+        with open(os.path.join(path, "processor_config.json")) as f:
+            seq = json.load(f).get("image_seq_length", cfg.image_seq_len)
+    except FileNotFoundError:
+        seq = cfg.image_seq_len
+    if seq != cfg.image_seq_len:
+        raise UnsupportedModelError(f"{path}: processor_config.json image_seq_length {seq} differs from the model's "
+                                    f"mm_tokens_per_image {cfg.image_seq_len}")
 
 
 def check_image(img, param: str):

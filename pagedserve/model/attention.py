@@ -64,6 +64,9 @@ class AttentionMetadata:
     triton: bool = False                                 # the Triton kernels write and read the cache
     max_decode_context: int | None = None                # host-side maxima: Triton's grids without a sync
     max_prefill_q: int | None = None
+    # (prefill rows,) long: the last key position each prefill query sees, past its own where its image's
+    # tokens attend both ways (Gemma 3, model/gemma3_vision.py); None: causal. Read by the torch path alone
+    prefill_key_limits: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -106,7 +109,9 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, md: AttentionMetadata, scale: 
         if d:
             ta.decode_attention(q[:d], kv, md.decode_block_tables, md.decode_context_lens, scale, window, softcap,
                                 md.max_decode_context, out[:d])
-        if md.num_prefills:
+        if md.num_prefills and md.prefill_key_limits is not None:
+            prefill_attention(q[d:], kv, md, scale, out[d:], window, softcap, native=False)
+        elif md.num_prefills:
             ta.prefill_attention(q[d:], kv, md.prefill_block_tables, md.prefill_cu_q, md.prefill_context_lens,
                                  scale, window, softcap, md.max_prefill_q, out[d:])
         return out
@@ -161,8 +166,11 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, causal: bool = F
 def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None, window: int = 0,
                       softcap: float | None = None, native: bool | None = None) -> torch.Tensor:
     """All prefill chunks of the step; q holds their rows only (written into `out` when given). native
-    None: the C kernel where md.native_prefill says it pays, else SDPA over each gathered context."""
-    if md.native_prefill if native is None else native:
+    None: the C kernel where md.native_prefill says it pays, else SDPA over each gathered context. A step
+    whose queries see past themselves (md.prefill_key_limits: an image's two-way span) takes SDPA with
+    the explicit mask (a copy of each context: the cost of a step that prefills a Gemma 3 image)."""
+    limits = md.prefill_key_limits
+    if (md.native_prefill if native is None else native) and limits is None:
         return kernels.paged_prefill_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, md.prefill_block_tables,
                                                md.prefill_cu_q, md.prefill_context_lens, scale, out, window=window,
                                                bf16_dots=md.bf16_dots)
@@ -175,10 +183,11 @@ def prefill_attention(q, kv: LayerKV, md: AttentionMetadata, scale: float, out=N
         v = _dequant(kv.v[bt], None if kv.v_scale is None else kv.v_scale[bt], q.dtype).flatten(0, 1)[:n]
         qh = q[cu[p]:cu[p + 1]].transpose(0, 1).unsqueeze(0)                  # (1, nh, q_len, hd)
         mask = None
-        if n > q_len or window:   # a cached prefix: query i sits at position n - q_len + i
+        if n > q_len or window or limits is not None:   # a cached prefix: query i sits at position n - q_len + i
             pos = torch.arange(n - q_len, n, device=q.device).unsqueeze(1)
             key = torch.arange(n, device=q.device).unsqueeze(0)
-            mask = (key <= pos) & (key > pos - window) if window else key <= pos
+            last = pos if limits is None else limits[cu[p]:cu[p + 1]].unsqueeze(1)
+            mask = (key <= last) & (key > pos - window) if window else key <= last
         o = _attend(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap,
                     causal=True)
         out[cu[p]:cu[p + 1]] = o.squeeze(0).transpose(0, 1)

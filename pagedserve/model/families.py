@@ -45,7 +45,7 @@ SILU = {"hidden_act": ("silu",)}
 NO_MLP_BIAS = {"mlp_bias": (False,)}
 WINDOW_LAYERS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 # vision-language models (model/vision.py): an image encoder beside a text model of a family here
-VISION_MODEL_TYPES = ("llava", "idefics3", "smolvlm", "llava_next")
+VISION_MODEL_TYPES = ("llava", "idefics3", "smolvlm", "llava_next", "gemma3")
 ROUTER_TRAINING = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
 
 

@@ -237,11 +237,10 @@ class LlamaForCausalLM(nn.Module):
         """md: one for every layer, or one per layer (layers in different KV groups read different block
         tables: core/kv_layout.py). lora: the step's LoRA adapters by row (model/lora.py), or None.
         max_position: a bound on `positions` (runner/cuda_graphs.py: nothing read back while capturing).
-        embeds: the rows' input embeddings when the runner built them (image vectors at image tokens)."""
+        embeds: the rows' input embeddings when the runner built them (embed_input's, image vectors at image
+        tokens)."""
         mds = md if isinstance(md, list) else itertools.repeat(md)
-        x = self.embed(input_ids) if embeds is None else embeds           # (T, hidden)
-        if self.cfg.embed_scale != 1.0:                                    # Gemma, Granite
-            x = x * self.cfg.embed_scale
+        x = self.embed_input(input_ids) if embeds is None else embeds     # (T, hidden)
         dt, dev = self.norm.dtype, self.norm.device     # the compute dtype (the embedding may be packed)
         if self.fused is not None and self.fused.takes(x, md, lora):
             return self.fused.run(x, positions, kv_caches, md, lora)
@@ -249,6 +248,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, key, kv, layer_md in zip(self.layers, self.rope_keys, kv_caches, mds):
             x = layer(x, None if key is None else ropes[key], kv, layer_md, lora)
         return x
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the embeddings, scaled where the family scales them (Gemma, Granite).
+        Image vectors are written over these, after the scaling (HF Gemma 3's masked_scatter)."""
+        x = self.embed(input_ids)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -501,8 +506,8 @@ class FusedDecode:
         the layer path's (md.native_prefill), prefill chunks (without LoRA)."""
         if not (isinstance(md, AttentionMetadata) and md.native and x.shape[0] <= self.max_rows):
             return False
-        if md.num_prefills:
-            return self.prompts and md.native_prefill and lora is None
+        if md.num_prefills:       # (an image's two-way span: the torch path's mask, attention.prefill_attention)
+            return self.prompts and md.native_prefill and lora is None and md.prefill_key_limits is None
         return md.num_decodes == x.shape[0] and (lora is None or (
             not lora.segments and len(lora.decode_slots) == x.shape[0] and lora.slots.dtype == torch.float32))
 

@@ -285,7 +285,8 @@ def _read_mmproj(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype):
 
 
 def _build_vision(cfg: ModelConfig, sd: dict, dtype: torch.dtype, device: str):
-    """The image encoder (model/vision.py, model/idefics3.py), beside the language model: dense in the model's dtype."""
+    """The image encoder (model/vision.py, idefics3.py, gemma3_vision.py), beside the language model: dense in
+    the model's dtype."""
     with torch.device("meta"):
         vision = cfg.vision.build()
     want = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
@@ -714,10 +715,12 @@ def _hf_model_config(path: str) -> ModelConfig:
         hf = hf_config_dict(path)
         if hf.get("model_type") not in VISION_MODEL_TYPES:
             return model_config(hf)
-        from pagedserve.model.idefics3 import idefics3_vision_config    # a vision-language model: its parts
+        from pagedserve.model.gemma3_vision import gemma3_vision_config   # a vision-language model: its parts
+        from pagedserve.model.idefics3 import idefics3_vision_config
         from pagedserve.model.llava_next import llava_next_vision_config
         from pagedserve.model.vision import llava_vision_config
-        vision = {"llava": llava_vision_config, "llava_next": llava_next_vision_config}.get(
+        vision = {"llava": llava_vision_config, "llava_next": llava_next_vision_config,
+                  "gemma3": gemma3_vision_config}.get(
             hf["model_type"], idefics3_vision_config)(hf)
         cfg = model_config(hf["text_config"])
         cfg.vision = vision

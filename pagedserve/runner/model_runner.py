@@ -88,6 +88,9 @@ class ModelRunner:
         # decision (core/encoder_cache.py): each step record names those to drop
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.encoder_runs = 0                       # images encoded (a cached image is not encoded again)
+        # Gemma 3: an image's tokens attend to each other both ways in prefill (model/gemma3_vision.py)
+        vision_cfg = getattr(getattr(model, "vision", None), "cfg", None)
+        self.two_way_images = bool(getattr(vision_cfg, "bidirectional", False))
         self.attention_backend = self._attention_backend(attention_backend)
         self.use_native = self.attention_backend == "native"
         self.use_triton = self.attention_backend == "triton"
@@ -189,6 +192,7 @@ class ModelRunner:
         if self.lora is not None:      # prefill chunks of one adapter adjacent (LoRABatch multiplies runs)
             seqs, row_loras = sorted(seqs, key=lambda s: (not s.is_decode, s.lora_id)), []
         row_of = batch.row_of
+        spans: list[tuple[int, int, int]] = []                         # two-way image rows: (first row, rows, last key)
         for s in seqs:
             start, n = s.start, s.num_tokens
             row0 = len(ids)
@@ -204,6 +208,8 @@ class ModelRunner:
             else:
                 pre_lens.append(start + n)
                 cu_q.append(cu_q[-1] + n)
+                if self.two_way_images:
+                    spans.extend(_image_spans(s, row0))
             if s.num_draft:            # speculative: every row samples, row i after i accepted drafts
                 logit_rows.extend(range(row0 + n - 1 - s.num_draft, row0 + n))
                 sample_rows.extend(_draft_rows(s.sampling, s.draft))
@@ -220,6 +226,13 @@ class ModelRunner:
             logit_rows.extend(range(first, first + len(plp.targets)))
         pos, mds = self._metadata(batch, np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64),
                                   np.array(rows, dtype=np.int64), num_dec, pre_lens, cu_q)
+        if spans:                      # each prefill query's last key: its own position, or its image's last
+            n_dec = sum(lens[:num_dec])
+            limits = pos[n_dec:].copy()
+            for row, k, last in spans:
+                limits[row - n_dec:row - n_dec + k] = last
+            for m in mds:
+                m.prefill_key_limits = torch.from_numpy(limits)
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layout.layer_group]
         lora = self.lora.batch(row_loras, sum(lens[:num_dec])) if self.lora is not None else None
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos), md, logit_rows, sample_rows,
@@ -299,7 +312,7 @@ class ModelRunner:
             for h, v in zip(new, self.model.vision(inputs)):
                 self.encoder_cache[h] = v
             self.encoder_runs += len(new)
-        x = self.model.embed(input_ids)
+        x = self.model.embed_input(input_ids)
         row = 0
         for s in so.seqs:
             for f in s.mm_inputs:                # the overlap of the image's positions and the chunk's
@@ -384,6 +397,19 @@ def _pooled(mean: torch.Tensor, pooling: PoolingParams) -> list[float]:
     return mean.tolist()
 
 
+def _image_spans(s, row0: int) -> list[tuple[int, int, int]]:
+    """The rows of a prefill chunk that lie in an image (first row, rows, the image's last position).
+    The scheduler never ends a chunk inside an image, so every key up to that position is written."""
+    out = []
+    for f in s.mm_inputs:
+        lo, hi = max(f.offset, s.start), min(f.end, s.start + s.num_tokens)
+        if hi != f.end:
+            raise RuntimeError(f"a prefill chunk ends at {hi} inside an image at {f.offset}..{f.end - 1} whose tokens "
+                               "attend both ways (the scheduler's EncoderCacheManager.whole keeps them whole)")
+        out.append((row0 + lo - s.start, hi - lo, f.end - 1))
+    return out
+
+
 def _draft_rows(row: SamplingRow, draft: tuple[int, ...]) -> list[SamplingRow]:
     """The sampling rows of a speculative sequence: row i samples as if drafts 1..i had been accepted
     (min_tokens and penalties see them)."""
@@ -412,7 +438,7 @@ def _to_device_per_layer(mds: list[AttentionMetadata], dev) -> list[AttentionMet
 
 def _to_device(md: AttentionMetadata, dev) -> AttentionMetadata:
     for name in ("slot_mapping", "decode_block_tables", "decode_context_lens", "prefill_block_tables",
-                 "prefill_cu_q", "prefill_context_lens"):
+                 "prefill_cu_q", "prefill_context_lens", "prefill_key_limits"):
         v = getattr(md, name)
         if v is not None:
             setattr(md, name, v.to(dev, non_blocking=True))

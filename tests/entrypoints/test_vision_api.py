@@ -221,3 +221,27 @@ def test_idefics3_over_http_equals_hf(tmp_path):
         enc = engine.core.scheduler.encoder
         assert engine.core.runner.encoder_runs == 8 and enc.misses == 8
         assert idle(engine)
+
+
+def test_gemma3_over_http_equals_hf(tmp_path):
+    """Gemma 3 (model/gemma3_vision.py) behind the same API: two images in one chat message become
+    `<start_of_image>` each, written out as HF's processor writes them ("\\n\\n" around, the newline after the
+    placeholder joining the run), and give HF's greedy text and prompt length, the image's tokens attending
+    to each other both ways; the same images again run no encoder."""
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    from tests.model.families import save_tiny_gemma3
+    model = (str(tmp_path), *save_tiny_gemma3(tmp_path))
+    imgs = [random_image(1), random_image(2, (80, 40))]
+    content = [{"type": "image_url", "image_url": {"url": data_url(imgs[0])}}, {"type": "text", "text": "w9"},
+               {"type": "image_url", "image_url": {"url": data_url(imgs[1])}}]
+    want, n_prompt = _hf_text(model, "w3 <start_of_image>\n<start_of_image>\nw9 w4 w5", imgs)
+    engine = LLMEngine(EngineArgs(model[0], dtype="float32", num_kv_blocks=160, block_size=4))
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for _ in range(2):
+            r = _chat(client, content)
+            assert r.choices[0].message.content == want and r.usage.prompt_tokens == n_prompt
+        enc = engine.core.scheduler.encoder
+        assert engine.core.runner.encoder_runs == 2 and enc.misses == 2     # (the second: a prefix hit past both)
+        assert idle(engine)

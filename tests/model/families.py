@@ -284,3 +284,42 @@ def save_tiny_idefics3(d, model_type: str = "idefics3", sharpen: float = 4.0, sp
                              image_seq_len=(IDEFICS3_IMAGE // IDEFICS3_PATCH) ** 2 // 4)
     proc.save_pretrained(d)
     return hf, proc
+
+
+GEMMA3_IMAGE, GEMMA3_PATCH = 32, 4      # a tiny SigLIP tower: 8x8 patches, pooled 2x2 -> 16 tokens an image
+
+
+def save_tiny_gemma3(d, sharpen: float = 4.0):
+    """A seeded random Gemma 3 (transformers' Gemma3ForConditionalGeneration: SigLIP tower, pooling
+    projector, a Gemma 3 text model with sliding layers shorter than the prompts) written by transformers
+    with its Gemma3Processor: the word-level tokenizer plus "\\n", "\\n\\n" (the processor writes them
+    around an image) and the image tags under the names the processor reads (boi_token, ...), and the
+    PIL image processor (the fast one needs torchvision). Returns (model, processor)."""
+    import transformers
+    from tokenizers import AddedToken
+    base = tiny_tokenizer(256)
+    base.add_tokens([AddedToken("\n", normalized=False), AddedToken("\n\n", normalized=False)])
+    base.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    tok.chat_template = CHAT_TEMPLATE
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=GEMMA3_IMAGE, patch_size=GEMMA3_PATCH, vision_use_head=False)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512)
+    cfg = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16,
+                                    boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+                                    image_token_index=tok.image_token_id)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():    # (HF initializes the projection to zeros: every image would be the same)
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+    _sharpen(hf, sharpen)
+    hf.save_pretrained(d)
+    proc = transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(
+        size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE}), tokenizer=tok, image_seq_length=16)
+    proc.save_pretrained(d)
+    return hf, proc
