@@ -204,6 +204,7 @@ class AsyncLLMEngine:
                 self._run_inbox()
                 self._expire()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_alive()       # a core in its own process can die while nothing runs
                     if self.engine.warm_idle():     # GEMM shapes left from the load, a slice at a time
                         continue
                     self._wake.wait(timeout=self._idle_wait_s())

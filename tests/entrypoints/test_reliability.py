@@ -80,7 +80,7 @@ def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine
                 pass
         ok = client.completions.create(model="m", prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True})
         assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 5
-    assert engine.core.counters.finished.get("error", 0) >= 3
+    assert engine.counters.finished.get("error", 0) >= 3
 
 
 def test_a_bug_in_one_requests_path_is_a_500_with_an_error_id_for_it_alone(served, monkeypatch, caplog):
@@ -201,7 +201,7 @@ def test_non_stream_disconnect_is_clean(served, engine, caplog):
                 assert wait(engine.has_unfinished_requests, 5)
             assert wait(lambda: not engine.has_unfinished_requests(), 3)
     assert not [r for r in caplog.records if "aclose" in r.getMessage() or r.levelno >= logging.ERROR]
-    assert engine.core.counters.finished.get("abort", 0) >= 3
+    assert engine.counters.finished.get("abort", 0) >= 3
 
 
 def test_chunked_body_is_cut_at_the_limit(served):
