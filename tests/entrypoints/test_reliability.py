@@ -5,6 +5,7 @@ at the size limit, the API key guards /v1 and /debug."""
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -282,3 +283,40 @@ def test_dead_engine_exits_nonzero():
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "engine_dead"
         assert proc.wait(timeout=20) == 1
+
+
+def _core_pid(server_pid: int) -> int:
+    """The serve process's engine core child (the one spawned with pagedserve's core_main; not the resource tracker)."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        kids = [int(p) for p in f.read().split()]
+    for pid in kids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return pid
+    raise AssertionError(f"no engine core child among {kids}")
+
+
+def test_sigkill_of_the_engine_core_process_fails_every_client_and_exits_nonzero():
+    with serve_in_process(["--engine-process", "--num-kv-blocks", "256", "--dead-engine-grace", "0.5"]) \
+            as (base, proc):
+        async def clients():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                body = {"prompt": "Write forever.", "max_tokens": 3000, "ignore_eos": True}
+                plain = asyncio.ensure_future(c.post("/v1/completions", json=body))
+
+                async def streamed():
+                    async with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+                        lines = []
+                        async for line in s.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line)
+                                if len(lines) == 3:     # tokens are flowing: kill the core under them
+                                    os.kill(_core_pid(proc.pid), signal.SIGKILL)
+                        return lines
+                events = await streamed()
+                return await plain, events
+        r, events = asyncio.run(clients())
+        assert r.status_code == 500 and r.json()["error"]["type"] == "engine_dead"
+        assert events[-1] == "data: [DONE]" and "engine core process exited" in events[-2]
+        assert proc.wait(timeout=30) == 1
