@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagedserve.core.request import RequestStatus, owner_id
-from pagedserve.engine.info import EngineInfo
+from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.views import cache_view, core_stats, scheduler_view
 from pagedserve.engine.wire import (AddRequest, CheckFits, Control, FinishRequests, GetStats, GetView, LoadLora,
@@ -49,6 +49,10 @@ class CoreClient(ABC):
     @abstractmethod
     def call(self, msg: Control):
         """A query or command's value (the core's exception raised here)."""
+
+    def stats(self, shared: bool = False) -> CoreStats:
+        """The core's state now (a client may answer from the state its core sent after its latest step)."""
+        return self.call(GetStats(shared))
 
     def warm_idle(self) -> bool:
         """Build a slice of the GEMM shapes left from the load; True while some remain (a core in its own

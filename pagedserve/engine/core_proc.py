@@ -8,7 +8,8 @@ or wait for the next message. A thread sends a Heartbeat every HEARTBEAT_S whate
 closing (the frontend gone) ends it.
 
 The frontend's side (`ProcClient`): a reader thread takes every message off the pipe: StepOutputs queue up for
-`step`, Replies resolve the Call waiting for them. The core is dead when the pipe breaks (the process exited:
+`step`, Replies resolve the Call waiting for them, the latest StatsUpdate is what `stats` reads (the per-step
+readers, /metrics, need no round trip: one would wait out the core's current step every step). The core is dead when the pipe breaks (the process exited:
 kill -9 included), when nothing, not even a heartbeat, came for HEARTBEAT_TIMEOUT_S, or when it says so
 (CoreDied); then `step`, `check_alive` and every call raise EngineDeadError, and AsyncLLMEngine fails every
 open request with it (the server turns unhealthy and exits 1)."""
@@ -21,12 +22,16 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core_client import CoreClient, handle
 from pagedserve.engine.startup import Background, StartupTimer
-from pagedserve.engine.wire import (AddRequest, Call, Control, CoreDied, CoreError, FinishRequests, Heartbeat, Ready,
-                                    Reply, Shutdown, StepOutput, decode, encode)
+from pagedserve.engine.info import CoreStats
+from pagedserve.engine.outputs import StepStats
+from pagedserve.engine.views import core_stats
+from pagedserve.engine.wire import (AddRequest, Call, Control, CoreDied, CoreError, FinishRequests, GetStats, Heartbeat,
+                                    Ready, Reply, Shutdown, StatsUpdate, StepOutput, decode, encode)
 from pagedserve.errors import EngineDeadError
 
 log = logging.getLogger("pagedserve")
@@ -105,6 +110,7 @@ def _loop(core, conn, out: _Sender) -> None:
         if core.has_unfinished():
             o = core.step()
             out.send(StepOutput(o, core.last_stats))
+            out.send(StatsUpdate(replace(core_stats(core), step=StepStats())))
         elif warming:
             warming = core.warm_idle()
 
@@ -154,6 +160,7 @@ class ProcClient(CoreClient):
         self._steps: queue.Queue[StepOutput | EngineDeadError] = queue.Queue()
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
+        self._stats: CoreStats | None = None   # the core's state after its latest step (StatsUpdate)
         self._lock = threading.Lock()       # orders calls against the core's death
         self._reader = threading.Thread(target=self._read, name="pagedserve-core-reader", daemon=True)
         self._reader.start()
@@ -184,6 +191,8 @@ class ProcClient(CoreClient):
                     fut = self._calls.pop(msg.call_id, None)
                     if fut is not None:
                         fut.set_exception(msg.error.exception()) if msg.error else fut.set_result(msg.value)
+                elif isinstance(msg, StatsUpdate):
+                    self._stats = msg.stats
                 elif isinstance(msg, CoreDied):
                     return self._die(msg.message)
         except (EOFError, OSError, ValueError):
@@ -234,6 +243,11 @@ class ProcClient(CoreClient):
             self._calls[call_id] = fut
         self._out.send(Call(call_id, msg))
         return fut.result()
+
+    def stats(self, shared: bool = False) -> CoreStats:
+        """The state the core sent after its latest step (no round trip; a Call before the first, or shared)."""
+        s = self._stats
+        return s if s is not None and not shared else self.call(GetStats(shared))
 
     def check_alive(self) -> None:
         if self.dead is not None:

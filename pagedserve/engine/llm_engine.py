@@ -21,7 +21,7 @@ from pagedserve.engine.multimodal import check_image
 from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
-from pagedserve.engine.wire import (AddRequest, CheckFits, FinishRequests, GetStats, GetView, LoadLora, Precompile,
+from pagedserve.engine.wire import (AddRequest, CheckFits, FinishRequests, GetView, LoadLora, Precompile,
                                     UnloadLora)
 from pagedserve.errors import ParamError
 from pagedserve.lora_request import LoRARequest
@@ -82,10 +82,11 @@ class LLMEngine:
     # ------------------------------------------------------------ the core's state, in values (engine thread)
     def stats(self, shared: bool = False) -> CoreStats:
         """The core's state now: the last step's record, running totals, queues, pool, classes (shared: also
-        the blocks sharing saved, a walk over the pool). Token and finish totals are this side's."""
-        s = self.client.call(GetStats(shared))
+        the blocks sharing saved, a walk over the pool). Token and finish totals are this side's, the step record
+        the last one this side took."""
+        s = self.client.stats(shared)
         c = self.counters
-        return replace(s, counters=replace(s.counters, prompt_tokens=c.prompt_tokens,
+        return replace(s, step=self._last_stats, counters=replace(s.counters, prompt_tokens=c.prompt_tokens,
                                            generation_tokens=c.generation_tokens, finished=dict(c.finished)))
 
     def last_step(self) -> StepStats:

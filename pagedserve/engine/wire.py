@@ -7,7 +7,7 @@ core, in one process (engine/core_client.py) or two (engine/core_proc.py). Typed
   `Shutdown`), each answered by one `Reply` with its value or a `CoreError`;
 - out, one per step: `StepOutput` (each sequence's new token ids with their requested logprobs and finish,
   prompt logprobs, pooled embeddings, the step's failures) and the step's one `StepStats` record; once at
-  start `Ready` (the EngineInfo); `Heartbeat` while the core lives; `CoreDied` when its loop breaks.
+  start `Ready` (the EngineInfo); after each step `StatsUpdate` (CoreStats); `Heartbeat` while the core lives; `CoreDied` when its loop breaks.
 
 `encode` / `decode`: StepOutput, the one message of every step, as msgpack arrays (engine/step_codec.py);
 the rest as pickle protocol 5 bytes read back through an Unpickler that admits only the classes listed here
@@ -192,13 +192,20 @@ class Heartbeat:
 
 
 @dataclass(slots=True, frozen=True)
+class StatsUpdate:
+    """The core's state after a step (its `step` left empty: the StepOutput carries that), sent after each
+    StepOutput so the per-step readers (/metrics) need no round trip."""
+    stats: CoreStats
+
+
+@dataclass(slots=True, frozen=True)
 class CoreDied:
     """The core's loop broke (the scheduler failed, a rank died): its state is unknown."""
     message: str
 
 
 _MESSAGES = (AddRequest, FinishRequests, StepOutput, GetStats, GetView, CheckFits, Precompile, LoadLora, UnloadLora,
-             Shutdown, Call, Reply, Ready, Heartbeat, CoreDied)
+             Shutdown, Call, Reply, Ready, Heartbeat, StatsUpdate, CoreDied)
 _ALLOWED = {(c.__module__, c.__qualname__) for c in (
     *_MESSAGES, CoreError, EngineCoreOutputs, SeqToken, SeqTimes, RequestFailure, StepStats, Logprob, SamplingParams,
     StructuredOutputsParams, PoolingParams, LoRARequest, EngineInfo, CoreStats, EngineCounters, SpecTotals,
