@@ -56,8 +56,9 @@ class _Sender:
 
 # ---------------------------------------------------------------- the core's process
 
-def core_main(args: EngineArgs, conn, warm_at_load: bool, log_level: int) -> None:
-    """The spawned process's whole life."""
+def core_main(args: EngineArgs, conn, warm_at_load: bool, log_level: int, setup=None) -> None:
+    """The spawned process's whole life. setup: a module-level function run on the built core before Ready
+    (bench/host_overhead.py's fake device)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
     from pagedserve.engine.llm_engine import build_core
     from pagedserve.engine.views import engine_info
@@ -65,6 +66,8 @@ def core_main(args: EngineArgs, conn, warm_at_load: bool, log_level: int) -> Non
     try:
         core = build_core(args, None, warm_at_load)
         info = engine_info(core)
+        if setup is not None:
+            setup(core)
     except BaseException as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         out.send(Ready(None, error=f"{type(e).__name__}: {text}"))
@@ -131,7 +134,10 @@ def _serve(core, msg, out: _Sender) -> None:
 class ProcClient(CoreClient):
     """The core in its own process; this side loads its own tokenizer (the frontend's: text in and out)."""
 
-    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None, warm_at_load: bool = True):
+    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None, warm_at_load: bool = True,
+                 setup=None):
+        """setup: a module-level function the core's process runs on the built core (a benchmark's fake
+        device); None for serving."""
         import torch.multiprocessing as mp
         from pagedserve.model.loader import resolve_model
         from pagedserve.tokenizer import load_tokenizer
@@ -140,7 +146,8 @@ class ProcClient(CoreClient):
         self._conn, child = ctx.Pipe(duplex=True)
         # not a daemon: the core starts tensor-parallel workers of its own
         self.proc = ctx.Process(target=core_main, name="pagedserve-core",
-                                args=(args, child, warm_at_load, logging.getLogger("pagedserve").getEffectiveLevel()))
+                                args=(args, child, warm_at_load, logging.getLogger("pagedserve").getEffectiveLevel(),
+                                      setup))
         self.proc.start()
         child.close()                       # the child's end lives in the child only: its exit breaks the pipe
         self._out = _Sender(self._conn)

@@ -269,7 +269,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
 real = LLMEngine.step_states                # the step the serving loop takes
 def step_states(self):
-    if self.counters.steps >= 1:
+    if self.stats().counters.steps >= 1:
         raise SystemError("injected: the engine loop itself broke")
     return real(self)
 LLMEngine.step_states = step_states
