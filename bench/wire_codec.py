@@ -6,22 +6,22 @@ best of --repeat runs of --number each; the bytes are one message's.
 
 Rows: a StepOutput of N decoding sequences (each: one token, 2 top logprobs, times) through the msgpack codec and
 through pickle 5 + the allow-list Unpickler; an AddRequest (a 200-token prompt, full SamplingParams) and a small
-Call (GetStats) through pickle 5, the codec they take. Measured 2026-12-06 23:52 UTC on the 2-core dev host at
-load average 10.5 (four other sessions and a test run beside it: absolute numbers inflated, ratios within the run):
+Call (GetStats) through pickle 5, the codec they take. Measured 2026-12-07 00:05 UTC on the 2-core dev host at
+load average 11.9 (four other sessions and a test run beside it: absolute numbers inflated, ratios within the run):
 
     message              codec     bytes   round trip µs
     StepOutput x1        msgpack     157        10
-    StepOutput x1        pickle      899       114
-    StepOutput x16       msgpack    1403       234
-    StepOutput x16       pickle     3493       906
-    StepOutput x64       msgpack    5471      1340
-    StepOutput x64       pickle    11845      5077
-    StepOutput x256      msgpack   22207      7321
-    StepOutput x256      pickle    45667     22573
-    AddRequest (200 t)   pickle      998       142
+    StepOutput x1        pickle      899       144
+    StepOutput x16       msgpack    1403       251
+    StepOutput x16       pickle     2623       650
+    StepOutput x64       msgpack    5471       775
+    StepOutput x64       pickle     8191      1919
+    StepOutput x256      msgpack   22207      3663
+    StepOutput x256      pickle    30877      8279
+    AddRequest (200 t)   pickle      998        22
     Call(GetStats)       pickle       79        10
 
-msgpack is 3-11x cheaper than pickle for the step's message at every size and half the bytes (pickle rebuilds every
+msgpack is 2.3-14x cheaper than pickle for the step's message at every size and fewer bytes (pickle rebuilds every
 SeqToken, Logprob and SeqTimes through find_class and its reduce protocol and names each class in the stream); an
 AddRequest comes once per request and a Call once per query, where pickle buys no per-class codec for
 SamplingParams' thirty fields or EngineInfo's nested configs."""
@@ -39,7 +39,8 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def step_output(n: int) -> StepOutput:
-    toks = [SeqToken(f"req-{i}", f"req-{i}", 0, 1000 + i, {1000 + i: Logprob(-0.25, 1, None), 7: Logprob(-2.5, 2, None)},
+    lps = {1000: Logprob(-0.25, 1, None), 7: Logprob(-2.5, 2, None)}
+    toks = [SeqToken(f"req-{i}", f"req-{i}", 0, 1000 + i, {1000 + i if t == 1000 else t: lp for t, lp in lps.items()},
                      None, None, SeqTimes(1.0, 2.0, 3.0, 0, 16)) for i in range(n)]
     stats = StepStats(num_running=n, num_decode_tokens=n, step_s=0.01, forward_s=0.008,
                       rows=tuple((100 + i, 1, 1) for i in range(n)))

@@ -210,8 +210,9 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=self._idle_wait_s())
                     self._wake.clear()
                     continue
+                taken = self.engine.steps_taken
                 outs = self.engine.step_states()
-                if self.on_stepped is not None:
+                if self.on_stepped is not None and self.engine.steps_taken != taken:
                     self.on_stepped(self.engine)
                 self._deliver(outs)
         except BaseException as e:      # nothing may leave a client waiting on a dead thread

@@ -9,16 +9,20 @@ closing (the frontend gone) ends it.
 
 The frontend's side (`ProcClient`): a reader thread takes every message off the pipe: StepOutputs queue up for
 `step`, Replies resolve the Call waiting for them, the latest StatsUpdate is what `stats` reads (the per-step
-readers, /metrics, need no round trip: one would wait out the core's current step every step). The core is dead when the pipe breaks (the process exited:
-kill -9 included), when nothing, not even a heartbeat, came for HEARTBEAT_TIMEOUT_S, or when it says so
-(CoreDied); then `step`, `check_alive` and every call raise EngineDeadError, and AsyncLLMEngine fails every
-open request with it (the server turns unhealthy and exits 1)."""
+readers, /metrics, need no round trip: one would wait out the core's current step every step). The core is
+dead when the pipe breaks (the process exited: kill -9 included), when nothing, not even a heartbeat, came
+for HEARTBEAT_TIMEOUT_S, or when it says so (CoreDied); then `step`, `check_alive` and every call raise
+EngineDeadError, and AsyncLLMEngine fails every open request with it (the server turns unhealthy and exits 1).
+
+Not yet: back-pressure (a frontend that stops taking steps lets StepOutputs queue up on its side, unbounded);
+grammar precompiles run in the core's loop (a Call), between its steps, not in the server's workers."""
 from __future__ import annotations
 
 import atexit
 import itertools
 import logging
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -60,6 +64,10 @@ def core_main(args: EngineArgs, conn, warm_at_load: bool, log_level: int, setup=
     """The spawned process's whole life. setup: a module-level function run on the built core before Ready
     (bench/host_overhead.py's fake device)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
+    # the frontend decides when the core ends (Shutdown after its drain, or its pipe closing): a terminal's
+    # Ctrl-C or a supervisor's SIGTERM to the whole group must not kill the core under a draining server
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pagedserve.engine.llm_engine import build_core
     from pagedserve.engine.views import engine_info
     out = _Sender(conn)

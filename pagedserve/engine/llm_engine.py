@@ -66,6 +66,8 @@ class LLMEngine:
         self.counters = EngineCounters()                 # this side's totals: prompt and generated tokens, finishes
         self.outputs = OutputProcessor(self.tokenizer, self.counters)
         self._last_stats = StepStats()
+        self.steps_taken = 0                             # StepOutputs taken (a core in its own process: not
+                                                         # every step() call takes one)
         self._ids = itertools.count()
 
     @property
@@ -258,6 +260,7 @@ class LLMEngine:
         if so is None:                              # (a core in its own process: no step came in the wait)
             return []
         co, self._last_stats = so.outputs, so.stats
+        self.steps_taken += 1
         outs = [self.end(rid, RequestStatus.FINISHED_ERROR, co.error) for rid in co.failed]
         touched: dict[str, RequestState] = {}
         for rid, lps in co.prompt_logprobs.items():

@@ -7,7 +7,8 @@ core, in one process (engine/core_client.py) or two (engine/core_proc.py). Typed
   `Shutdown`), each answered by one `Reply` with its value or a `CoreError`;
 - out, one per step: `StepOutput` (each sequence's new token ids with their requested logprobs and finish,
   prompt logprobs, pooled embeddings, the step's failures) and the step's one `StepStats` record; once at
-  start `Ready` (the EngineInfo); after each step `StatsUpdate` (CoreStats); `Heartbeat` while the core lives; `CoreDied` when its loop breaks.
+  start `Ready` (the EngineInfo); after each step `StatsUpdate` (CoreStats); `Heartbeat` while the core
+  lives; `CoreDied` when its loop breaks.
 
 `encode` / `decode`: StepOutput, the one message of every step, as msgpack arrays (engine/step_codec.py);
 the rest as pickle protocol 5 bytes read back through an Unpickler that admits only the classes listed here

@@ -237,9 +237,10 @@ def test_api_key_guards_v1_and_debug_not_health(served):
         assert httpx.get(base + "/v1/models").status_code == 401
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path):
+@pytest.mark.parametrize("core", ["--no-engine-process", "--engine-process"])
+def test_sigterm_drains_then_exits_zero(tmp_path, core):
     trace = tmp_path / "steps.jsonl"
-    with serve_in_process(["--num-kv-blocks", "256", "--shutdown-timeout", "3", "--step-trace", str(trace)]) \
+    with serve_in_process([core, "--num-kv-blocks", "256", "--shutdown-timeout", "3", "--step-trace", str(trace)]) \
             as (base, proc):
         async def run():
             async with httpx.AsyncClient(base_url=base, timeout=60) as c:
