@@ -1,10 +1,12 @@
 """The engine core's protocol (engine/wire.py): every field of every message survives encode / decode, a
-core Request goes through AddRequest and back, and decode refuses bytes that name anything else."""
+core Request goes through AddRequest and back, and decode refuses bytes that name anything else; the msgpack
+step codec round-trips any step hypothesis makes (None logprobs and times, empty maps, big ids)."""
 import dataclasses
 import os
 import pickle
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pagedserve.core.request import Request
 from pagedserve.engine.outputs import EngineCoreOutputs, RequestFailure, SeqTimes, SeqToken, StepStats
@@ -133,3 +135,27 @@ def test_step_output_is_msgpack_and_garbage_is_refused():
     assert data[:1] != b"\x80"             # not a pickle: nothing in it names a class
     with pytest.raises(ValueError, match="data: not a StepOutput"):
         decode(b"\x93\x01\x02\x03")
+
+
+_ids = st.text(min_size=1, max_size=8)
+_lps = st.none() | st.dictionaries(st.integers(0, 2**31), st.builds(
+    Logprob, st.floats(allow_nan=False), st.integers(1, 50), st.none() | st.text(max_size=4)), max_size=3)
+_times = st.builds(SeqTimes, *[st.none() | st.floats(0, 1e6)] * 3, st.integers(0, 9), st.integers(0, 999))
+_tokens = st.builds(SeqToken, _ids, _ids, st.integers(0, 7), st.integers(0, 2**31), _lps,
+                    st.sampled_from([None, "stop", "length"]), st.none() | st.integers(0, 2**31), _times)
+_stats = st.builds(StepStats, **{f.name: st.tuples(st.integers(0, 9), st.integers(1, 9), st.integers(0, 4)).map(
+    lambda r: (r,)) if f.name == "rows" else st.floats(0, 10) if f.type == "float" else st.integers(0, 10**6)
+    for f in dataclasses.fields(StepStats)})
+_outs = st.builds(EngineCoreOutputs, st.lists(_tokens, max_size=6),
+                  st.dictionaries(_ids, st.lists(_lps, max_size=3), max_size=2),
+                  st.dictionaries(_ids, st.lists(st.floats(allow_nan=False), max_size=4), max_size=2),
+                  st.lists(_ids, max_size=3).map(tuple),
+                  st.none() | st.builds(RequestFailure, st.sampled_from(["internal_error", "timeout"]), st.text()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_outs, _stats)
+def test_the_msgpack_step_codec_round_trips_any_step(outs, stats):
+    msg = StepOutput(outs, stats)
+    data = encode(msg)
+    assert data[:1] != b"\x80" and decode(data) == msg
