@@ -10,6 +10,7 @@ the named queries and commands through `call`. Two implementations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from pagedserve.core.request import RequestStatus, owner_id
 from pagedserve.engine.info import CoreStats, EngineInfo
@@ -31,8 +32,9 @@ class CoreClient(ABC):
     images: object = None                # a vision-language model's image inputs (in process only)
 
     @abstractmethod
-    def add(self, msg: AddRequest) -> None:
-        """Queue a request; ParamError / QueueFullError (the core's) before any state exists."""
+    def add(self, msg: AddRequest) -> Future | None:
+        """Queue a request: None when the core took it (ParamError / QueueFullError raised when it did not),
+        or a Future of that verdict (the core in another process)."""
 
     @abstractmethod
     def finish(self, msg: FinishRequests) -> None:

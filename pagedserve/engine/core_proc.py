@@ -229,8 +229,8 @@ class ProcClient(CoreClient):
         log.critical("%s", err)
 
     # ------------------------------------------------------------ the door
-    def add(self, msg: AddRequest) -> None:
-        self.call(msg)                      # a reply: its ParamError / QueueFullError reach the caller
+    def add(self, msg: AddRequest) -> Future:
+        return self._start(msg)             # its Reply: None, or the core's ParamError / QueueFullError
 
     def finish(self, msg: FinishRequests) -> None:
         self.check_alive()
@@ -250,6 +250,9 @@ class ProcClient(CoreClient):
         return not self._steps.empty()
 
     def call(self, msg: Control):
+        return self._start(msg).result()
+
+    def _start(self, msg: Control) -> Future:
         fut: Future = Future()
         with self._lock:
             if self.dead is not None:
@@ -257,7 +260,7 @@ class ProcClient(CoreClient):
             call_id = next(self._ids)
             self._calls[call_id] = fut
         self._out.send(Call(call_id, msg))
-        return fut.result()
+        return fut
 
     def stats(self, shared: bool = False) -> CoreStats:
         """The state the core sent after its latest step (no round trip; a Call before the first, or shared)."""

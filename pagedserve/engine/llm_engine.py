@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 
 from pagedserve.config import EngineArgs
@@ -169,13 +170,28 @@ class LLMEngine:
         return self.images.expand(ids, images, param)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, stream: bool = False, arrival_time: float | None = None,
-                    traffic_class: str | None = None, lora_request: LoRARequest | None = None,
-                    sink: object = None) -> str:
+                    **kwargs) -> str:
+        """submit, then the core's verdict awaited: ParamError / QueueFullError raised with no state left."""
+        request_id, verdict = self.submit(request_id, prompt, params, **kwargs)
+        if verdict is not None:
+            try:
+                verdict.result()
+            except BaseException:
+                self.states.pop(request_id, None)
+                raise
+        return request_id
+
+    def submit(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
+               priority: int = 0, stream: bool = False, arrival_time: float | None = None,
+               traffic_class: str | None = None, lora_request: LoRARequest | None = None,
+               sink: object = None) -> tuple[str, Future | None]:
         """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
         hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request).
         `lora_request`: the LoRA adapter it runs with (enable_lora). `sink`: where a frontend delivers
-        its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry."""
+        its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry.
+        Returns its id and the core's verdict: None when the core took it (in process: its refusal is raised
+        here), else a Future of it (a core in its own process: a burst's adds cross in one message each, not
+        one round trip each; on a refusal the caller drops the state with `states.pop`)."""
         info = self.info
         pooling = None
         if isinstance(params, PoolingParams):
@@ -208,13 +224,13 @@ class LLMEngine:
         ids, mm = self._images(prompt, ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.client.add(AddRequest(         # raises ParamError / QueueFullError before any state exists
+        verdict = self.client.add(AddRequest(    # in process: raises ParamError / QueueFullError, no state made
             request_id, tuple(ids), params, max(1, max_tokens), () if params.ignore_eos else info.eos_token_ids,
             priority, klass, params.n, arrival, None if params.seed is None else params.seed % 2**64,
             pooling=pooling, lora=lora_request, mm_features=mm))
         self.states[request_id] = self.outputs.new_state(RequestState(
             request_id, text, ids, params, stream, params.n, arrival, klass, sink))
-        return request_id
+        return request_id, verdict
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""

@@ -76,11 +76,12 @@ def test_queries_cross_as_values(proc_engine):
 
 def test_abort_leaves_nothing_behind_forks_included(proc_engine):
     eng = proc_engine
-    long = SamplingParams(max_tokens=400, ignore_eos=True)
-    eng.add_request("a", [1, 2, 3, 4, 5], long)
-    eng.add_request("f", [1, 2, 3], SamplingParams(n=3, max_tokens=400, temperature=1.0, seed=1, ignore_eos=True))
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
+    eng.add_request("a", [1, 2, 3, 4, 5], long, stream=True)
+    eng.add_request("f", [1, 2, 3], SamplingParams(n=3, max_tokens=400, temperature=1.0, seed=1, ignore_eos=True),
+                    stream=True)
     t0 = time.monotonic()
-    while not eng.step() and time.monotonic() - t0 < 60:    # until the first outputs come
+    while not eng.step() and time.monotonic() - t0 < 60:    # until the first deltas come
         pass
     eng.add_request("late", [7, 8, 9], long)         # its fork-free state, aborted before any step reports it
     for rid in ("a", "f", "late"):
