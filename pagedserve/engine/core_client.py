@@ -89,6 +89,8 @@ def handle(core, msg):
             return cache_view(core)
         case GetView(name="held"):
             return core.held()
+        case GetView(name="lora_names"):   # replaced whole on every load and unload: safe from any thread
+            return frozenset() if core.loras is None else core.loras.names
         case GetView(name="loras"):
             return [] if core.loras is None else [(n, e.path) for n, e in core.loras.by_name.items()]
         case CheckFits(prompt_len=n, max_tokens=m):

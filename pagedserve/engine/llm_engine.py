@@ -114,8 +114,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------ LoRA adapters (enable_lora)
     def lora_names(self) -> frozenset[str]:
-        """The loaded adapters' names."""
-        return frozenset(n for n, _ in self.lora_adapters())
+        """The loaded adapters' names (in process: safe to read from any thread, as before the door)."""
+        return self.client.call(GetView("lora_names"))
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """(name, path) of each loaded adapter."""

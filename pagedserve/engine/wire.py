@@ -102,7 +102,7 @@ class GetStats:
 @dataclass(slots=True, frozen=True)
 class GetView:
     """-> a dict: "scheduler" (/debug/scheduler), "cache" (the dashboard's pool), "held" (per-request
-    entries), "loras" (loaded adapters' (name, path) pairs)."""
+    entries), "loras" (loaded adapters' (name, path) pairs), "lora_names" (their names, a frozenset)."""
     name: str
 
 
