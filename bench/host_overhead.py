@@ -14,10 +14,16 @@ much of the device's time the host loses (no overlap yet: the host's work adds t
 --prompt-len sets each request's context (default 32 tokens): the block tables a step used to send whole
 grow with it (the KV pool is mapped but never written: the fake forward writes no keys).
 
+--engine-process: also through the process seam (engine/core_proc.py), the fake device installed in the core's
+process: the core steps by itself, so a step there is the interval between StepOutputs the frontend takes
+(`--steps` of them, after every request is in decode): the slower of the core's step and the frontend's
+output path, which now run beside each other, in two interpreters.
+
 Usage: python bench/host_overhead.py [--running 1,16,64,256] [--T-ms 0,5] [--steps 30] [--sampling greedy|top_p]
-                                     [--prompt-len 32]
+                                     [--prompt-len 32] [--engine-process]
 """
 import argparse
+import functools
 import time
 
 import torch
@@ -30,7 +36,7 @@ def fake_device(model, t_s: float, vocab: int):
     dtype = model.norm.dtype
     base = torch.randn(512, vocab, generator=torch.Generator().manual_seed(0))
 
-    def forward(input_ids, positions, kv_caches, md, lora=None, max_position=None):
+    def forward(input_ids, positions, kv_caches, md, *_, **__):      # (lora, max_position, embeds: unused)
         if t_s:                          # asleep for most of it (the host is free), then to the microsecond
             end = time.perf_counter() + t_s
             time.sleep(max(0.0, t_s - 1e-3))
@@ -42,6 +48,35 @@ def fake_device(model, t_s: float, vocab: int):
         n = h.shape[0]
         return base[torch.arange(n) % base.shape[0]]
     model.forward, model.compute_logits = forward, compute_logits
+
+
+def install_fake(t_s: float, core) -> None:
+    """ProcClient's setup (module level: it crosses to the core's process by name)."""
+    fake_device(core.model, t_s, core.model.cfg.vocab_size)
+
+
+def measure_seam(eng, n: int, steps: int, sampling, prompt_len: int = 32) -> dict:
+    """Through the process seam: the interval between the StepOutputs the frontend takes, all n in decode."""
+    from pagedserve import SamplingParams
+    sp = SamplingParams(max_tokens=2_000, ignore_eos=True, **sampling)
+    for i in range(n):
+        eng.add_request(f"r{n}-{i}", {"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(prompt_len)]}, sp,
+                        stream=True)
+    seen: set[str] = set()
+    while len(seen) < n or eng.last_step().num_decode_tokens != n:
+        seen.update(o.request_id for o in eng.step())
+    for _ in range(3):
+        while not eng.step():
+            pass
+    taken, t0 = 0, time.perf_counter()
+    while taken < steps:
+        if eng.step():
+            assert eng.last_step().num_decode_tokens == n
+            taken += 1
+    wall = time.perf_counter() - t0
+    for rid in list(eng.states):
+        eng.abort(rid)
+    return {"running": n, "step_ms_p50": 1e3 * wall / steps}
 
 
 def measure(eng, n: int, steps: int, sampling, prompt_len: int = 32) -> dict:
@@ -84,33 +119,51 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy")
     ap.add_argument("--prompt-len", dest="prompt_len", type=int, default=32)
+    ap.add_argument("--engine-process", dest="engine_process", action="store_true")
     a = ap.parse_args()
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.core_proc import ProcClient
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.host import describe
     running = [int(x) for x in a.running.split(",")]
     sampling = {"temperature": 0.0} if a.sampling == "greedy" else {"temperature": 0.8, "top_p": 0.9, "seed": 1}
     blocks_per_seq = -(-(a.prompt_len + 3 + a.steps + 8) // 16) + 1     # prompt, warm-up and timed steps
-    eng = LLMEngine(max_num_seqs=max(running), max_num_batched_tokens=max(1024, 32 * max(running)),
-                    num_kv_blocks=max(running) * max(12, blocks_per_seq) + 64)
+    args = EngineArgs(max_num_seqs=max(running), max_num_batched_tokens=max(1024, 32 * max(running)),
+                      num_kv_blocks=max(running) * max(12, blocks_per_seq) + 64)
+    eng = LLMEngine(args)
     print(f"host: {describe()}; sampling {a.sampling}; {eng.core.model.cfg.vocab_size}-entry vocabulary; "
           f"prompts of {a.prompt_len} tokens")
     for t_ms in (float(x) for x in a.t_ms.split(",")):
         fake_device(eng.core.model, t_ms / 1e3, eng.core.model.cfg.vocab_size)
         rows = [measure(eng, n, a.steps, sampling, a.prompt_len) for n in running]
         print(f"T = {t_ms:g} ms")
-        for r in rows:
-            host_ms = r["step_ms_p50"] - t_ms
-            rate = r["running"] / (r["step_ms_p50"] / 1e3)
-            ideal = r["running"] / (t_ms / 1e3) if t_ms else float("inf")
-            print(f"  {r['running']:4d} running: step p50 {r['step_ms_p50']:7.3f} ms, host {host_ms:7.3f} ms "
-                  f"({1e3 * host_ms / r['running']:6.1f} us/seq); schedule+update {r['schedule+update_us']:8.1f} us, "
-                  f"prepare {r['prepare_us']:8.1f}, sample {r['sample_us']:8.1f}, output {r['output_us']:8.1f}"
-                  + (f"; {rate:,.0f} rows/s = {rate / ideal:.0%} of rows/T" if t_ms else ""))
-        if len(rows) > 1:
-            lo, hi = rows[0], rows[-1]
-            slope = (hi["step_ms_p50"] - lo["step_ms_p50"]) / (hi["running"] - lo["running"])
-            print(f"  per sequence (slope {lo['running']}..{hi['running']}): {1e3 * slope:.1f} us; fixed: "
-                  f"{lo['step_ms_p50'] - t_ms - slope * lo['running']:.3f} ms")
+        report(rows, t_ms)
+        if a.engine_process:
+            client = ProcClient(args, setup=functools.partial(install_fake, t_ms / 1e3))
+            seam_eng = LLMEngine(args, client=client)
+            try:
+                rows = [measure_seam(seam_eng, n, a.steps, sampling, a.prompt_len) for n in running]
+            finally:
+                seam_eng.shutdown()
+            print(f"T = {t_ms:g} ms, through the process seam (mean interval between StepOutputs taken)")
+            report(rows, t_ms)
+
+
+def report(rows: list[dict], t_ms: float) -> None:
+    for r in rows:
+        host_ms = r["step_ms_p50"] - t_ms
+        rate = r["running"] / (r["step_ms_p50"] / 1e3)
+        ideal = r["running"] / (t_ms / 1e3) if t_ms else float("inf")
+        split = (f"; schedule+update {r['schedule+update_us']:8.1f} us, prepare {r['prepare_us']:8.1f}, sample "
+                 f"{r['sample_us']:8.1f}, output {r['output_us']:8.1f}") if "prepare_us" in r else ""
+        print(f"  {r['running']:4d} running: step {r['step_ms_p50']:7.3f} ms, host {host_ms:7.3f} ms "
+              f"({1e3 * host_ms / r['running']:6.1f} us/seq){split}"
+              + (f"; {rate:,.0f} rows/s = {rate / ideal:.0%} of rows/T" if t_ms else f"; {rate:,.0f} rows/s"))
+    if len(rows) > 1:
+        lo, hi = rows[0], rows[-1]
+        slope = (hi["step_ms_p50"] - lo["step_ms_p50"]) / (hi["running"] - lo["running"])
+        print(f"  per sequence (slope {lo['running']}..{hi['running']}): {1e3 * slope:.1f} us; fixed: "
+              f"{lo['step_ms_p50'] - t_ms - slope * lo['running']:.3f} ms")
 
 
 if __name__ == "__main__":

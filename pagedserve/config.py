@@ -209,6 +209,12 @@ class EngineArgs:
         "mp (worker processes on this machine) | ray (Ray actors, on any node of a Ray cluster; pip install "
         "pagedserve[ray]) | external_launcher (every rank started by torchrun; env:// rendezvous)"))
 
+    engine_process: bool = field(default=False, metadata=_h(
+        "run the engine core (scheduler, runner, KV pool) in a process of its own, behind the core's protocol "
+        "(msgpack step outputs; engine/core_proc.py), so detokenization, stop strings, metrics and HTTP do not "
+        "share its interpreter (a vision-language model cannot: its images do not cross); LLM steps a core in "
+        "process unless asked"))
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -226,8 +232,9 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.quantization not in ("none", "auto"):
             bad("tensor_parallel_size", f"> 1 needs quantization none (packed {self.quantization} weights are not "
                                         "sharded)")
-        if not isinstance(self.warm_gemm_shapes, bool):
-            bad("warm_gemm_shapes", "must be True or False")
+        for name in ("warm_gemm_shapes", "engine_process"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False")
         if self.packed_rows is not None and (not isinstance(self.packed_rows, int) or isinstance(self.packed_rows, bool)
                                              or self.packed_rows < 1):
             bad("packed_rows", "must be a positive integer or None")

@@ -145,18 +145,30 @@ class AsyncLLMEngine:
         rs = RequestStream(self, request_id, asyncio.get_running_loop(), coalesce=stream)
         arrival = time.monotonic()
 
-        def add() -> None:               # in the engine thread; an exception reaches the caller, nothing changed
-            self.engine.add_request(request_id, prompt, params, priority=priority, stream=stream,
-                                    arrival_time=arrival, traffic_class=traffic_class, lora_request=lora_request,
-                                    sink=rs)
+        def add():                       # in the engine thread; an exception reaches the caller, nothing changed
+            _, verdict = self.engine.submit(request_id, prompt, params, priority=priority, stream=stream,
+                                            arrival_time=arrival, traffic_class=traffic_class,
+                                            lora_request=lora_request, sink=rs)
             if self.request_timeout_s is not None:
                 self._push_deadline(arrival + self.request_timeout_s, request_id)
+            return verdict
         try:
-            await self.call(add)
+            verdict = await self.call(add)
+            if verdict is not None:        # a core in its own process: its verdict comes after the engine thread
+                await self._verdict(request_id, verdict)     # moved on (a burst's adds are not serialized)
         except asyncio.CancelledError:     # the client left while the request was being added
             self.abort(request_id)
             raise
         return rs
+
+    async def _verdict(self, request_id: str, verdict) -> None:
+        try:
+            await asyncio.wrap_future(verdict)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:              # refused (ParamError, QueueFullError) or the core died: no state kept
+            self._call(lambda: self.engine.states.pop(request_id, None))
+            raise
 
     def abort(self, request_id: str) -> None:
         self._call(lambda: self._deliver([self.engine.end(request_id, RequestStatus.FINISHED_ABORTED)]))
@@ -204,13 +216,15 @@ class AsyncLLMEngine:
                 self._run_inbox()
                 self._expire()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_alive()       # a core in its own process can die while nothing runs
                     if self.engine.warm_idle():     # GEMM shapes left from the load, a slice at a time
                         continue
                     self._wake.wait(timeout=self._idle_wait_s())
                     self._wake.clear()
                     continue
+                taken = self.engine.steps_taken
                 outs = self.engine.step_states()
-                if self.on_stepped is not None:
+                if self.on_stepped is not None and self.engine.steps_taken != taken:
                     self.on_stepped(self.engine)
                 self._deliver(outs)
         except BaseException as e:      # nothing may leave a client waiting on a dead thread

@@ -1,28 +1,31 @@
 """LLMEngine: the frontend of one EngineCore. add_request / step / abort: it tokenizes, builds the
-core's Request, keeps the one registry of user requests (request id -> RequestState: detokenizer,
-stop strings, logprobs, the stream's unsent deltas) and turns the core's token ids into
-RequestOutputs. What its users may know of the core is `engine.info` (EngineInfo: limits, vocabulary, EOS
-ids, classes; frozen) and what its named methods return in values (`stats`, `scheduler_view`, `cache_view`,
-the LoRA adapters'): the core's objects (scheduler, KV cache manager, runner) stay behind `engine.core`,
-which only this class and core-side tools (the calibration, tests of the core) touch."""
+core's request message, keeps the one registry of user requests (request id -> RequestState: detokenizer,
+stop strings, logprobs, the stream's unsent deltas) and turns the core's token ids into RequestOutputs.
+It reaches the core through one door, a CoreClient (engine/core_client.py): the protocol's messages
+(engine/wire.py) in and out, the core in this process or (EngineArgs.engine_process) in its own. What its
+users may know of the core is `engine.info` (EngineInfo: limits, vocabulary, EOS ids, classes; frozen) and
+what its named methods return in values (`stats`, `scheduler_view`, `cache_view`, the LoRA adapters').
+`engine.core` (the core's objects) exists in process only, for core-side tools (the calibration, tests)."""
 from __future__ import annotations
 
 import itertools
 import logging
+import time
+from concurrent.futures import Future
+from dataclasses import replace
 
 from pagedserve.config import EngineArgs
-from pagedserve.core.request import Request, RequestStatus
-from pagedserve.engine.core import EngineCore
+from pagedserve.core.request import RequestStatus
+from pagedserve.engine.core_client import CoreClient, InProcClient
 from pagedserve.engine.startup import StartupTimer
-from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
 from pagedserve.engine.multimodal import check_image
-from pagedserve.model.loader import resolve_model
 from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
-from pagedserve.engine.outputs import RequestFailure, RequestOutput, StepStats
-from pagedserve.engine.views import cache_view, core_stats, engine_info, scheduler_view
+from pagedserve.engine.outputs import EngineCounters, RequestFailure, RequestOutput, StepStats
+from pagedserve.engine.wire import (AddRequest, CheckFits, FinishRequests, GetView, LoadLora, Precompile,
+                                    UnloadLora)
 from pagedserve.errors import ParamError
-from pagedserve.lora_request import LoRARequest, lora_id
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 log = logging.getLogger("pagedserve")
@@ -30,79 +33,109 @@ log = logging.getLogger("pagedserve")
 Delivery = tuple[RequestState, RequestOutput]      # an output and the state of the request it belongs to
 
 
+def build_core(args: EngineArgs, startup: StartupTimer | None, warm_at_load: bool):
+    """The core for these args: an EngineCore, or an EncoderCore for a sentence-transformers encoder (BERT-like:
+    it only embeds; its core runs no KV pool)."""
+    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
+    from pagedserve.model.loader import resolve_model
+    encoder = is_encoder_folder(resolve_model(args.model, args.revision))
+    return (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, startup: StartupTimer | None = None,
-                 warm_at_load: bool = True, **kwargs):
+                 warm_at_load: bool = True, client: CoreClient | None = None, **kwargs):
         """startup: the start-up record to time into (the CLI's, begun before its imports); read `engine.startup`.
-        warm_at_load False: GEMM shapes are built by `warm_idle` calls after the load (serve's idle time)."""
+        warm_at_load False: GEMM shapes are built by `warm_idle` calls after the load (serve's idle time).
+        client: the door to an already built core; else one is made from args (engine_process: a process)."""
         args = args or EngineArgs(**kwargs)
-        # a sentence-transformers encoder (BERT-like) only embeds: its core runs no KV pool (encoder_core.py)
-        encoder = is_encoder_folder(resolve_model(args.model, args.revision))
         self.args = args
-        self.core = (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
-        self.info: EngineInfo = engine_info(self.core)
-        self.startup: StartupTimer = self.core.startup
-        self.tokenizer = self.core.tokenizer
-        self.images = self.core.images                   # a vision-language model's image inputs (else None)
+        if client is None and args.engine_process:
+            from pagedserve.engine.core_proc import ProcClient
+            client = ProcClient(args, startup, warm_at_load)
+        if client is None:
+            from pagedserve.engine.views import engine_info
+            core = build_core(args, startup, warm_at_load)
+            client = InProcClient(core, engine_info(core))
+        self.client = client
+        self.info: EngineInfo = client.info
+        self.startup: StartupTimer = client.startup
+        self.tokenizer = client.tokenizer
+        self.images = client.images                      # a vision-language model's image inputs (else None)
         self.states: dict[str, RequestState] = {}        # user request id (= its first sequence's id) -> state
-        self.outputs = OutputProcessor(self.tokenizer, self.core.counters)
+        self.counters = EngineCounters()                 # this side's totals: prompt and generated tokens, finishes
+        self.outputs = OutputProcessor(self.tokenizer, self.counters)
+        self._last_stats = StepStats()
+        self.steps_taken = 0                             # StepOutputs taken (a core in its own process: not
+                                                         # every step() call takes one)
         self._ids = itertools.count()
 
+    @property
+    def core(self):
+        """The core's objects, for core-side tools and tests; in process only."""
+        if not isinstance(self.client, InProcClient):
+            raise AttributeError("core: the engine core runs in its own process (engine_process)")
+        return self.client.core
+
     def shutdown(self) -> None:
-        """Stop the core's tensor-parallel workers (nothing to do with one rank). Idempotent."""
-        self.core.shutdown()
+        """Stop the core (its tensor-parallel workers, its process). Idempotent."""
+        self.client.shutdown()
 
     # ------------------------------------------------------------ the core's state, in values (engine thread)
     def stats(self, shared: bool = False) -> CoreStats:
         """The core's state now: the last step's record, running totals, queues, pool, classes (shared: also
-        the blocks sharing saved, a walk over the pool)."""
-        return core_stats(self.core, shared)
+        the blocks sharing saved, a walk over the pool). Token and finish totals are this side's, the step record
+        the last one this side took."""
+        s = self.client.stats(shared)
+        c = self.counters
+        return replace(s, step=self._last_stats, counters=replace(s.counters, prompt_tokens=c.prompt_tokens,
+                                           generation_tokens=c.generation_tokens, finished=dict(c.finished)))
 
     def last_step(self) -> StepStats:
         """The last step's record alone (what a per-step hook needs; cheaper than stats())."""
-        return self.core.last_stats
+        return self._last_stats
 
     def scheduler_view(self) -> dict:
         """/debug/scheduler's queues, classes, pool and limits."""
-        return scheduler_view(self.core)
+        return self.client.call(GetView("scheduler"))
 
     def cache_view(self) -> dict:
         """The dashboard's pool and queues, block by block."""
-        return cache_view(self.core)
+        return self.client.call(GetView("cache"))
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """ParamError (naming the field) when a prompt of this length with max_tokens could never run here."""
-        self.core.scheduler.check_fits(prompt_len, max_tokens)
+        self.client.call(CheckFits(prompt_len, max_tokens))
 
     def precompile(self, params: SamplingParams | PoolingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (a bad schema: ParamError)."""
-        self.core.precompile(params)
+        self.client.call(Precompile(params))
 
     # ------------------------------------------------------------ LoRA adapters (enable_lora)
     def lora_names(self) -> frozenset[str]:
-        """The loaded adapters' names (replaced whole on every load and unload: safe to read from any thread)."""
-        return frozenset() if self.core.loras is None else self.core.loras.names
+        """The loaded adapters' names (in process: safe to read from any thread, as before the door)."""
+        return self.client.call(GetView("lora_names"))
 
     def lora_adapters(self) -> list[tuple[str, str]]:
-        """(name, path) of each loaded adapter; engine thread."""
-        return [] if self.core.loras is None else [(n, e.path) for n, e in self.core.loras.by_name.items()]
+        """(name, path) of each loaded adapter."""
+        return self.client.call(GetView("loras"))
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter folder under `name` (ParamError names the field); engine thread."""
-        self._loras().load(name, path)
+        self.client.call(LoadLora(name, path))
 
     def unload_lora(self, name: str) -> bool:
         """Unload an adapter (False: none of that name); engine thread."""
-        return self._loras().unload(name)
-
-    def _loras(self):
-        if self.core.loras is None:
-            raise ParamError("lora_name", "lora_name: the engine runs without LoRA (enable_lora)")
-        return self.core.loras
+        return self.client.call(UnloadLora(name))
 
     def warm_idle(self) -> bool:
         """Build a slice of the GEMM shapes left from the load (EngineCore.warm_idle); True while some remain."""
-        return self.core.warm_idle()
+        return self.client.warm_idle()
+
+    def check_alive(self) -> None:
+        """EngineDeadError once the core is gone (its process exited or missed its heartbeat)."""
+        self.client.check_alive()
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -137,14 +170,29 @@ class LLMEngine:
         return self.images.expand(ids, images, param)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, stream: bool = False, arrival_time: float | None = None,
-                    traffic_class: str | None = None, lora_request: LoRARequest | None = None,
-                    sink: object = None) -> str:
+                    **kwargs) -> str:
+        """submit, then the core's verdict awaited: ParamError / QueueFullError raised with no state left."""
+        request_id, verdict = self.submit(request_id, prompt, params, **kwargs)
+        if verdict is not None:
+            try:
+                verdict.result()
+            except BaseException:
+                self.states.pop(request_id, None)
+                raise
+        return request_id
+
+    def submit(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
+               priority: int = 0, stream: bool = False, arrival_time: float | None = None,
+               traffic_class: str | None = None, lora_request: LoRARequest | None = None,
+               sink: object = None) -> tuple[str, Future | None]:
         """A generation (SamplingParams) or an embedding (PoolingParams: its prompt is run, its final
         hidden states pooled; one greedy token is sampled and dropped, so it finishes like any request).
         `lora_request`: the LoRA adapter it runs with (enable_lora). `sink`: where a frontend delivers
-        its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry."""
-        core, info = self.core, self.info
+        its outputs (AsyncLLMEngine's RequestStream), kept in its RequestState: the one registry.
+        Returns its id and the core's verdict: None when the core took it (in process: its refusal is raised
+        here), else a Future of it (a core in its own process: a burst's adds cross in one message each, not
+        one round trip each; on a refusal the caller drops the state with `states.pop`)."""
+        info = self.info
         pooling = None
         if isinstance(params, PoolingParams):
             pooling = params.resolved(self.args.pooling, info.model_pooling, info.hidden_size, info.pooling_types)
@@ -167,23 +215,22 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         info.check_token_ids("stop_token_ids", params.stop_token_ids)
         info.check_token_ids("logit_bias", params.logit_bias or ())
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest")
         text, ids = self.tokenize(prompt)
-        ids = core.fit_prompt(ids)          # an encoder truncates as sentence-transformers does
+        n = info.max_model_len          # an encoder truncates as sentence-transformers does (last token kept)
+        if not info.generates and len(ids) > n:
+            ids = ids[:n - 1] + ids[-1:]
         ids, mm = self._images(prompt, ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
-        req = Request(request_id, ids, params, max_tokens=max(1, max_tokens),
-                      eos_token_ids=() if params.ignore_eos else info.eos_token_ids, priority=priority,
-                      traffic_class=klass,
-                      num_samples=params.n, generator_seed=None if params.seed is None else params.seed % 2**64)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        req.pooling = pooling
-        req.lora_id = lora_id(core.loras, lora_request)
-        req.mm_features = mm
-        core.add(req)                   # raises ParamError / QueueFullError before any state exists
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        verdict = self.client.add(AddRequest(    # in process: raises ParamError / QueueFullError, no state made
+            request_id, tuple(ids), params, max(1, max_tokens), () if params.ignore_eos else info.eos_token_ids,
+            priority, klass, params.n, arrival, None if params.seed is None else params.seed % 2**64,
+            pooling=pooling, lora=lora_request, mm_features=mm))
         self.states[request_id] = self.outputs.new_state(RequestState(
-            request_id, text, ids, params, stream, params.n, req.arrival_time, klass, sink))
-        return request_id
+            request_id, text, ids, params, stream, params.n, arrival, klass, sink))
+        return request_id, verdict
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request because its client went away (or asked): finish reason "abort"."""
@@ -201,19 +248,19 @@ class LLMEngine:
         if st is None:
             return None
         st.error = error
-        self.core.finish([s.seq_id for s in st.seqs], status)
+        self.client.finish(FinishRequests((request_id,), status.value, whole=True))
         self.outputs.end(st, status.value)
         return st, self.outputs.output(st)
 
     def held(self) -> dict[str, int]:
         """Entries per request-keyed structure of the engine and its core (every count is 0 once all
         requests have finished, whatever way they ended): what a soak checks for per-request leaks."""
-        return {"engine.states": len(self.states), **self.core.held()}
+        return {"engine.states": len(self.states), **self.client.call(GetView("held"))}
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or sequences that ended since the last step (one more step tells the
         runner to drop their state)."""
-        return bool(self.states) or self.core.has_unfinished()
+        return bool(self.states) or self.client.has_unfinished()
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -225,7 +272,11 @@ class LLMEngine:
         where a frontend delivers it). A fault in the core's step fails the requests it ran, a fault in
         making one request's output fails that request alone (finish reason "error"); a fault in the
         scheduler raises EngineDeadError."""
-        co = self.core.step()
+        so = self.client.step()
+        if so is None:                              # (a core in its own process: no step came in the wait)
+            return []
+        co, self._last_stats = so.outputs, so.stats
+        self.steps_taken += 1
         outs = [self.end(rid, RequestStatus.FINISHED_ERROR, co.error) for rid in co.failed]
         touched: dict[str, RequestState] = {}
         for rid, lps in co.prompt_logprobs.items():
@@ -245,7 +296,7 @@ class LLMEngine:
             except Exception as e:
                 outs.append(self._fault(st, e))
         if stopped:                                 # stop strings: the core ends those sequences now
-            self.core.finish(stopped, RequestStatus.FINISHED_STOPPED)
+            self.client.finish(FinishRequests(tuple(stopped), RequestStatus.FINISHED_STOPPED.value))
         for st in touched.values():
             if (st.stream or st.finished) and st.request_id in self.states:
                 try:

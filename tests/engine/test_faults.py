@@ -47,7 +47,7 @@ def test_failed_step_fails_only_its_requests(engine, monkeypatch):
     assert [o.finish_reason for o in done["a"].outputs] == ["error"]
     assert done["c"].error is None and done["c"].outputs[0].finish_reason == "length"
     assert len(done["c"].outputs[0].token_ids) == 6
-    assert eng.core.counters.finished.get("error") == 2 and "abort" not in eng.core.counters.finished
+    assert eng.counters.finished.get("error") == 2 and "abort" not in eng.counters.finished
     assert all(b.ref_cnt == 0 for b in eng.core.kv.pool.blocks[1:]) and not eng.core.scheduler.requests
     # and the engine serves the next request as if nothing happened
     eng.add_request("d", [1, 2, 3, 4, 5], sp)
@@ -110,7 +110,7 @@ def test_a_fault_making_one_requests_output_fails_it_alone(engine, monkeypatch, 
     done = _run(eng)
     assert done["bad"].error.kind == "internal_error" and "injected" in done["bad"].error.message
     assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 6
-    assert eng.core.counters.finished.get("error") == 1
+    assert eng.counters.finished.get("error") == 1
     assert all(b.ref_cnt == 0 for b in eng.core.kv.pool.blocks[1:]) and all(v == 0 for v in eng.held().values())
     monkeypatch.undo()
     eng.add_request("next", [1, 2, 3, 4, 5], sp)

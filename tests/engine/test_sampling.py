@@ -169,7 +169,7 @@ def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
     last = tok.decode(free.token_ids[-1:]).strip()
     before = tok.decode(free.token_ids[:-1])
     assert last and last not in before, (before, last)       # the stop string appears only in the last token
-    counts = dict(llm.engine.core.counters.finished)
+    counts = dict(llm.engine.counters.finished)
     for stream in (False, True):
         eng = llm.engine
         eng.add_request(f"last-{stream}", PROMPT, SamplingParams(max_tokens=12, stop=[last], ignore_eos=True),
@@ -181,8 +181,8 @@ def test_a_stop_string_in_the_last_token_allowed_is_a_stop(llm):
         text = "".join(x.outputs[0].text for x in outs) if stream else o.text
         assert o.finish_reason == "stop" and o.stop_reason == last, (o.finish_reason, o.stop_reason)
         assert last not in text and free.text.startswith(text)
-    assert eng.core.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
-    assert eng.core.counters.finished.get("length", 0) == counts.get("length", 0)
+    assert eng.counters.finished.get("stop", 0) == counts.get("stop", 0) + 2
+    assert eng.counters.finished.get("length", 0) == counts.get("length", 0)
 
 
 def test_text_prompts_are_tokenized_in_one_batch_before_submit(llm, tokenizer, monkeypatch):

@@ -5,6 +5,7 @@ at the size limit, the API key guards /v1 and /debug."""
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -80,7 +81,7 @@ def test_step_fault_is_a_500_and_an_sse_error_and_spares_the_rest(served, engine
                 pass
         ok = client.completions.create(model="m", prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True})
         assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 5
-    assert engine.core.counters.finished.get("error", 0) >= 3
+    assert engine.counters.finished.get("error", 0) >= 3
 
 
 def test_a_bug_in_one_requests_path_is_a_500_with_an_error_id_for_it_alone(served, monkeypatch, caplog):
@@ -201,7 +202,7 @@ def test_non_stream_disconnect_is_clean(served, engine, caplog):
                 assert wait(engine.has_unfinished_requests, 5)
             assert wait(lambda: not engine.has_unfinished_requests(), 3)
     assert not [r for r in caplog.records if "aclose" in r.getMessage() or r.levelno >= logging.ERROR]
-    assert engine.core.counters.finished.get("abort", 0) >= 3
+    assert engine.counters.finished.get("abort", 0) >= 3
 
 
 def test_chunked_body_is_cut_at_the_limit(served):
@@ -236,9 +237,10 @@ def test_api_key_guards_v1_and_debug_not_health(served):
         assert httpx.get(base + "/v1/models").status_code == 401
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path):
+@pytest.mark.parametrize("core", ["--no-engine-process", "--engine-process"])
+def test_sigterm_drains_then_exits_zero(tmp_path, core):
     trace = tmp_path / "steps.jsonl"
-    with serve_in_process(["--num-kv-blocks", "256", "--shutdown-timeout", "3", "--step-trace", str(trace)]) \
+    with serve_in_process([core, "--num-kv-blocks", "256", "--shutdown-timeout", "3", "--step-trace", str(trace)]) \
             as (base, proc):
         async def run():
             async with httpx.AsyncClient(base_url=base, timeout=60) as c:
@@ -268,7 +270,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
 real = LLMEngine.step_states                # the step the serving loop takes
 def step_states(self):
-    if self.counters.steps >= 1:
+    if self.stats().counters.steps >= 1:
         raise SystemError("injected: the engine loop itself broke")
     return real(self)
 LLMEngine.step_states = step_states
@@ -282,3 +284,40 @@ def test_dead_engine_exits_nonzero():
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "engine_dead"
         assert proc.wait(timeout=20) == 1
+
+
+def _core_pid(server_pid: int) -> int:
+    """The serve process's engine core child (the one spawned with pagedserve's core_main; not the resource tracker)."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        kids = [int(p) for p in f.read().split()]
+    for pid in kids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return pid
+    raise AssertionError(f"no engine core child among {kids}")
+
+
+def test_sigkill_of_the_engine_core_process_fails_every_client_and_exits_nonzero():
+    with serve_in_process(["--engine-process", "--num-kv-blocks", "256", "--dead-engine-grace", "0.5"]) \
+            as (base, proc):
+        async def clients():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                body = {"prompt": "Write forever.", "max_tokens": 3000, "ignore_eos": True}
+                plain = asyncio.ensure_future(c.post("/v1/completions", json=body))
+
+                async def streamed():
+                    async with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+                        lines = []
+                        async for line in s.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line)
+                                if len(lines) == 3:     # tokens are flowing: kill the core under them
+                                    os.kill(_core_pid(proc.pid), signal.SIGKILL)
+                        return lines
+                events = await streamed()
+                return await plain, events
+        r, events = asyncio.run(clients())
+        assert r.status_code == 500 and r.json()["error"]["type"] == "engine_dead"
+        assert events[-1] == "data: [DONE]" and "engine core process exited" in events[-2]
+        assert proc.wait(timeout=30) == 1
