@@ -50,7 +50,7 @@ def render_chat(template: str, messages: list, *, tools: list | None = None, doc
         raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt are not compatible")
-    compiled = _compile(template)
+    compiled = compile_template(template)
     tools = _plain(_tool_schemas(tools))
     if documents is not None and not all(isinstance(d, dict) for d in documents):
         raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
@@ -175,7 +175,7 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
 
 
 @lru_cache(maxsize=16)
-def _compile(template: str):
+def compile_template(template: str):
     return _environment().from_string(template)
 
 

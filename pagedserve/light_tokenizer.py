@@ -191,6 +191,17 @@ class LightTokenizer:
                            variables={**self._special, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def compile_chat_template(self) -> None:
+        """Compiles the model's template(s) ahead of the first chat; one that does not compile is left for
+        that chat to report."""
+        from pagedserve.chat_template import compile_template
+        own = self.chat_template
+        for text in (own.values() if isinstance(own, dict) else [own] if own else []):
+            try:
+                compile_template(text)
+            except Exception:           # noqa: BLE001 -- reported by the request that uses it
+                pass
+
     # ------------------------------------------------------------ for what needs transformers' own
     def transformers(self):
         """The same files loaded by transformers (imported here, ~1.5 s), for a library that takes its
