@@ -9,6 +9,7 @@ import shutil
 import threading
 
 from pagedserve.errors import ParamError
+from pagedserve.light_tokenizer import LightTokenizer, light_refusal
 from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
 
 log = logging.getLogger("pagedserve")
@@ -51,49 +52,77 @@ class SerialTokenizer:
         return len(self.inner)
 
 
-_LOADED: dict[tuple, SerialTokenizer] = {}
+_LOADED: dict[tuple, LightTokenizer | SerialTokenizer] = {}
 _LOADED_LOCK = threading.Lock()
 
 
-def load_tokenizer(src: ModelSource) -> SerialTokenizer:
+def load_tokenizer(src: ModelSource, compile_template: bool = False):
     """The model's tokenizer (`build_tokenizer`). Within a process a GGUF's tokenizer is built once and
     shared by every engine on that file (as its weights are: model/loader.py), since nothing writes to a
-    tokenizer after it is built (reading the saved tokenizer.json costs ~0.6-1.5 s per engine otherwise)."""
+    tokenizer after it is built (reading the saved tokenizer.json costs ~0.3-1.5 s per engine otherwise).
+    `compile_template`: the chat template compiled now (jinja2's import and the compile, ~0.15 s: the
+    engine loads the tokenizer beside the model, so the first chat does not pay them)."""
     if src.kind == "hf":
-        return build_tokenizer(src)
-    st = os.stat(src.path)
-    key = (os.path.realpath(src.path), st.st_size, st.st_mtime_ns)
-    with _LOADED_LOCK:      # two engines started at once build it once
-        if key not in _LOADED:
-            _LOADED[key] = build_tokenizer(src)
-        return _LOADED[key]
+        tok = build_tokenizer(src)
+    else:
+        st = os.stat(src.path)
+        key = (os.path.realpath(src.path), st.st_size, st.st_mtime_ns)
+        with _LOADED_LOCK:      # two engines started at once build it once
+            if key not in _LOADED:
+                _LOADED[key] = build_tokenizer(src)
+            tok = _LOADED[key]
+    if compile_template and isinstance(tok, LightTokenizer):
+        tok.compile_chat_template()
+    return tok
 
 
-def build_tokenizer(src: ModelSource) -> SerialTokenizer:
-    """A transformers tokenizer behind one lock (SerialTokenizer). A GGUF's vocabulary is converted by
+def build_tokenizer(src: ModelSource):
+    """The model's tokenizer: a LightTokenizer (tokenizers alone, no transformers import) where its files
+    allow, else transformers' behind one lock (SerialTokenizer). A GGUF's vocabulary is converted by
     transformers once (slow: ~10 s for 49k tokens) and saved to the cache as tokenizer.json (+ its config
     and chat template), keyed by the file's path, size and mtime and transformers' version; later starts
-    load that with PreTrainedTokenizerFast (~0.6 s, AutoTokenizer's class lookup skipped). A saved
-    tokenizer that does not load is converted again; a cache that cannot be written only costs the
-    conversion next time."""
-    from pagedserve.model.families import from_transformers
+    read that with tokenizers (~0.3 s). A saved tokenizer that does not load is converted again; a cache
+    that cannot be written only costs the conversion next time."""
     try:
         if src.kind == "hf":
-            return SerialTokenizer(from_transformers("AutoTokenizer").from_pretrained(src.path))
-        cache = cache_dir(src.path, "tokenizers", extra=from_transformers("__version__"))
+            return _folder_tokenizer(src.path)
+        cache = cache_dir(src.path, "tokenizers", extra=transformers_version())
         if os.path.isfile(os.path.join(cache, "tokenizer.json")):
             try:
-                return SerialTokenizer(from_transformers("PreTrainedTokenizerFast").from_pretrained(cache))
+                return LightTokenizer(cache)
             except Exception as e:     # truncated, garbled: converted again below
                 log.warning("saved tokenizer in %s ignored (%s: %s); converting %s's vocabulary again", cache,
                             type(e).__name__, str(e)[:200], os.path.basename(src.path))
         tok = convert_gguf_tokenizer(src.path)
-        _save(tok, cache)
+        if _save(tok, cache):
+            try:
+                return LightTokenizer(cache)
+            except Exception as e:          # noqa: BLE001 -- the converted one serves this start
+                log.warning("saved tokenizer in %s does not load (%s); using the converted one", cache, e)
         return SerialTokenizer(tok)
     except ModelLoadError:
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer for {src.path}: {e}") from e
+
+
+def _folder_tokenizer(path: str):
+    """An HF folder's: light where tokenizers alone reads it as transformers does (light_refusal)."""
+    why = light_refusal(path)
+    if why is None:
+        return LightTokenizer(path)
+    from pagedserve.model.families import from_transformers
+    log.info("tokenizer through transformers (%s)", why)
+    return SerialTokenizer(from_transformers("AutoTokenizer").from_pretrained(path))
+
+
+def transformers_version() -> str:
+    """Part of the saved tokenizer's key (the conversion is transformers'), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "none"
 
 
 def convert_gguf_tokenizer(path: str):
@@ -102,18 +131,21 @@ def convert_gguf_tokenizer(path: str):
     return from_transformers("AutoTokenizer").from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-def _save(tok, cache: str) -> None:
-    """Into a folder of its own first, then renamed into place: a reader sees a whole tokenizer or none."""
+def _save(tok, cache: str) -> bool:
+    """Into a folder of its own first, then renamed into place: a reader sees a whole tokenizer or none.
+    Whether it was saved."""
     tmp = f"{cache}.{os.getpid()}.tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
         shutil.rmtree(cache, ignore_errors=True)      # a damaged one
         os.replace(tmp, cache)
+        return True
     except OSError as e:
         log.warning("converted tokenizer not saved (%s: %s): the next start converts it again", cache,
                     e.strerror or e)
         shutil.rmtree(tmp, ignore_errors=True)
+        return False
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -1,3 +1,5 @@
+import pytest
+
 from pagedserve.tokenizer import IncrementalDetokenizer, apply_chat_template
 
 
@@ -19,19 +21,25 @@ def test_incremental_detokenization_across_multibyte_characters(tokenizer):
     assert all("\ufffd" not in x for x in deltas)
 
 
-def test_many_threads_tokenize_template_and_detokenize_at_once(tokenizer):
-    """The server calls one tokenizer from its worker threads, the event loop and the engine thread. A fast
-    tokenizer's encode path sets truncation / padding on its Rust object, and concurrent calls raised
-    "Already borrowed"; load_tokenizer's SerialTokenizer takes them one at a time. Every thread's results
-    equal the serial ones."""
+@pytest.mark.parametrize("kind", ["light", "transformers"])
+def test_many_threads_tokenize_template_and_detokenize_at_once(tokenizer, kind):
+    """The server calls one tokenizer from its worker threads, the event loop and the engine thread. A
+    transformers fast tokenizer's encode path sets truncation / padding on its Rust object, and concurrent
+    calls raised "Already borrowed": SerialTokenizer takes them one at a time. The light tokenizer never
+    writes to its Rust object after it is built, so it needs no lock. Every thread's results equal the
+    serial ones."""
     import threading
+    from pagedserve.light_tokenizer import LightTokenizer
     from pagedserve.tokenizer import SerialTokenizer
-    assert isinstance(tokenizer, SerialTokenizer)
+    assert isinstance(tokenizer, LightTokenizer)
+    if kind == "transformers":
+        tokenizer = SerialTokenizer(tokenizer.transformers())
+    mutating = {"truncation": True} if kind == "transformers" else {}
     texts = [f"request {i}: " + "Grüße aus Köln 🌍 " * (1 + i % 7) for i in range(24)]
 
     def work(i):
         t = texts[i]
-        ids = tokenizer(t, truncation=True, max_length=8 + i)["input_ids"]      # the mutating path
+        ids = tokenizer(t, **mutating, **({"max_length": 8 + i} if mutating else {}))["input_ids"]
         chat = apply_chat_template(tokenizer, [{"role": "user", "content": t}])
         full = tokenizer.encode(t, add_special_tokens=False)
         d = IncrementalDetokenizer(tokenizer)

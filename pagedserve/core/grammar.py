@@ -42,10 +42,16 @@ class GrammarCompiler:
     def _tok(self):
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance.hf
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(getattr(self.tokenizer, "inner", self.tokenizer),
-                                                                  n_vocab=self.vocab_size,
-                                                                  eos_token=list(self.eos_token_ids) or None)
+                import copy
+
+                import llguidance
+                # as llguidance.hf.from_tokenizer does, without its transformers import: the Rust tokenizer
+                # (added tokens included) as JSON, padding and truncation off
+                backend = copy.copy(self.tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                            eos_token=list(self.eos_token_ids) or None)
         return self._ll_tokenizer
 
     def matcher(self, so: StructuredOutputsParams) -> Any:

@@ -112,7 +112,7 @@ class EngineCore:
         if self.source.kind == "hf":    # this thread reads config.json through transformers during the load:
             for name in ("AutoConfig", "AutoTokenizer", "__version__"):     # resolved here first, so the
                 from_transformers(name)  # tokenizer's thread never resolves its lazy module beside this one
-        tokenizer = Background(load_tokenizer, self.source)   # beside the model load (issue 56)
+        tokenizer = Background(load_tokenizer, self.source, True)   # beside the model load (issue 56)
         if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
             kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else
                              ("paged_attention", "layer_ops"))

@@ -44,7 +44,8 @@ def test_multiple_choice_matches_the_hf_backend(served, tasks, hf_model, tokeniz
     ours = simple_evaluate(model="local-completions", tasks=["pagedserve_mc"], task_manager=tasks, log_samples=True,
                            model_args={"base_url": f"{base}/v1/completions", "model": "smollm2",
                                        "tokenizer_backend": "remote", "batch_size": 4, "max_retries": 1})
-    ref = simple_evaluate(model=HFLM(pretrained=hf_model, tokenizer=tokenizer.inner, batch_size=4), tasks=["pagedserve_mc"],
+    ref = simple_evaluate(model=HFLM(pretrained=hf_model, tokenizer=tokenizer.transformers(), batch_size=4),
+                          tasks=["pagedserve_mc"],
                           task_manager=tasks, log_samples=True)
     a, b = _per_choice(ours, "pagedserve_mc"), _per_choice(ref, "pagedserve_mc")
     assert len(a) == len(MC) and all(len(x) == 4 for x in a)
