@@ -104,7 +104,7 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bo
         log.warning("packed-weight cache entry %s ignored (%s: %s); rebuilding it", path, type(e).__name__, e)
         return False
     for i, (p, fmt) in enumerate(zip(leaves, fmts)):
-        p.data, p.fmt = tensors[f"data.{i}"], fmt
+        p.data, p.fmt, p.deferred = tensors[f"data.{i}"], fmt, None     # the file's bytes never read
     for j, w in enumerate(weights):
         if copies[j]:
             w.dense = tensors[f"dense.{j}"]
