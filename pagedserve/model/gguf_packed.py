@@ -14,8 +14,7 @@ import mmap
 
 import torch
 
-from pagedserve.model.quant import (AS_Q8_0, FORMATS, Deferred, Packed, PackedParts, PackedWeight, as_q8_0,
-                                    interleaves)
+from pagedserve.model.quant import AS_Q8_0, FORMATS, Deferred, Packed, PackedParts, PackedWeight, _meta, as_q8_0
 
 
 class FileSpans:
@@ -51,8 +50,7 @@ def packed_matrix(t, spans: FileSpans) -> PackedWeight:
         view = torch.from_numpy(t.data)          # the mapped rows themselves (copy-on-write: writable, no copy)
         return as_q8_0(name, view, K) if name in AS_Q8_0 else view
 
-    meta = torch.empty(rows, width, dtype=torch.uint8, device="meta")
-    return PackedWeight(fmt, meta, K, deferred=Deferred(make, five_bits=name == "Q5_0"))
+    return PackedWeight(fmt, _meta(rows, width), K, deferred=Deferred(make, five_bits=name == "Q5_0"))
 
 
 def _leaves(weights: list[Packed]) -> list[PackedWeight]:
@@ -64,16 +62,18 @@ def pending(weights: list[Packed]) -> bool:
     return any(p.deferred is not None for p in _leaves(weights))
 
 
-def make_packed(weights: list[Packed], int8_act: bool, spans: FileSpans) -> int:
+def make_packed(weights: list[Packed], spans: FileSpans, regroup: set[int]) -> int:
     """Every deferred weight's bytes made from the file, one weight at a time: its parts read (and stacked),
-    regrouped for int8 activations where the kernels take them so, then the file pages read for it given
-    back. Returns the number of leaves made."""
+    regrouped for int8 activations if its id is in `regroup` (the kernels' products: what the model's
+    choose_gemm_form would regroup after), then the file pages read for it given back. Returns the number
+    of leaves made."""
     made = 0
-    for p in _leaves(weights):
-        if p.deferred is not None:
-            p.materialize()
-            if interleaves(int8_act):
-                p.interleave()
-            spans.release()
-            made += 1
+    for w in weights:
+        for p in _leaves([w]):
+            if p.deferred is not None:
+                p.materialize()
+                if id(w) in regroup:
+                    p.interleave()
+                spans.release()
+                made += 1
     return made

@@ -31,8 +31,8 @@ from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import VISION_MODEL_TYPES, UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, dense_copy_plan, describe, make_dense_copies, packed_weights,
-                                    quantize_int8, stack_rows)
+                                    PackedWeight, dense_copy_plan, describe, interleaves, make_dense_copies,
+                                    packed_weights, quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
 
@@ -226,7 +226,8 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                 key, copied = None, []       # there already: nothing to compute or write
     if pending(ws):
         with startup.phase("packed weights read"):      # a miss: the file's packed tensors, one weight at a time
-            make_packed(ws, int8_act, spans)
+            products = [m.weight for layer in model.layers for m in layer.products()] + [model.head_weight]
+            make_packed(ws, spans, {id(w) for w in products} if interleaves(int8_act) else set())
     if copied:
         with startup.phase("dense copies"):
             make_dense_copies(copied, dtype)

@@ -228,9 +228,17 @@ class PackedWeight(Packed):
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
         if self.grouped:
             raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
-        later = self.deferred and Deferred(lambda make=self.deferred.make: make()[perm], self.deferred.five_bits)
+        if self.deferred is not None:
+            later = Deferred(lambda make=self.deferred.make: make()[perm], self.deferred.five_bits)
+            return PackedWeight(self.fmt, _meta(*self.data.shape), self.K, self.small_m, self.int8_act, deferred=later)
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
-                            None if self.dense is None else self.dense[perm], later)
+                            None if self.dense is None else self.dense[perm])
+
+
+def _meta(rows: int, width: int) -> torch.Tensor:
+    """A deferred weight's stand-in: its bytes' shape, no storage (made directly: torch.cat or indexing on meta
+    tensors imports torch._dynamo, ~3 s and ~100 MB)."""
+    return torch.empty(rows, width, dtype=torch.uint8, device="meta")
 
 
 def _by_rows(rewrite, data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -470,7 +478,8 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     if any(p.deferred for p in parts):        # made when the stack is: one product's parts at a time
         make = lambda: torch.cat([p.deferred.make() if p.deferred else p.data for p in parts])   # noqa: E731
         later = Deferred(make, all(p.deferred and p.deferred.five_bits for p in parts))
-        return PackedWeight(parts[0].fmt, torch.cat([p.data.to("meta") for p in parts]), parts[0].K, deferred=later)
+        return PackedWeight(parts[0].fmt, _meta(sum(p.data.shape[0] for p in parts), parts[0].data.shape[1]),
+                            parts[0].K, deferred=later)
     return PackedWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].K)
 
 
