@@ -455,6 +455,18 @@ def gguf_reader(path: str):
                 offs += n * np.dtype(self.gguf_scalar_to_np[t]).itemsize
             return offs - orig_offs, [itype, alen, self.data[orig_offs + 12:offs]], [], [gguf.GGUFValueType.ARRAY, t]
 
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            # a truncated file: named by its first tensor whose bytes it lacks (gguf's reshape error names none)
+            for f in fields:
+                name, dims, raw, at = bytes(f.parts[1]).decode(errors="replace"), f.parts[3], f.parts[4][0], f.parts[5][0]
+                if raw in gguf.GGMLQuantizationType._value2member_map_:
+                    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw)]
+                    end = int(start_offs + at) + int(np.prod(dims)) * size // block
+                    if end > len(self.data):
+                        raise ValueError(f"tensor {name} needs bytes up to {end}, but the file ends at {len(self.data)} "
+                                         "(truncated?)")
+            super()._build_tensors(start_offs, fields)
+
     return _SpanReader(path, "c")     # copy-on-write: tensors are writable views of the mapped file, not copies
 
 
