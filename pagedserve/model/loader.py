@@ -458,13 +458,13 @@ def gguf_reader(path: str):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             # a truncated file: named by its first tensor whose bytes it lacks (gguf's reshape error names none)
             for f in fields:
-                name, dims, raw, at = bytes(f.parts[1]).decode(errors="replace"), f.parts[3], f.parts[4][0], f.parts[5][0]
-                if raw in gguf.GGMLQuantizationType._value2member_map_:
-                    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw)]
-                    end = int(start_offs + at) + int(np.prod(dims)) * size // block
+                name, dims, raw, at = bytes(f.parts[1]).decode(errors="replace"), f.parts[3], *f.parts[4:6]
+                if raw[0] in gguf.GGMLQuantizationType._value2member_map_:
+                    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw[0])]
+                    end = int(start_offs + at[0]) + int(np.prod(dims)) * size // block
                     if end > len(self.data):
-                        raise ValueError(f"tensor {name} needs bytes up to {end}, but the file ends at {len(self.data)} "
-                                         "(truncated?)")
+                        raise ValueError(f"tensor {name} needs bytes up to {end}, but the file ends at "
+                                         f"{len(self.data)} (truncated?)")
             super()._build_tensors(start_offs, fields)
 
     return _SpanReader(path, "c")     # copy-on-write: tensors are writable views of the mapped file, not copies
