@@ -27,7 +27,7 @@ from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attenti
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gemm import Warmup, gemm, padded, pads_rows
 from pagedserve.model.lora import LoRABatch
-from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, packed_rows, uncopied_rows
+from pagedserve.model.quant import FORMATS as QFORMATS, Packed, PackedParts, interleaves, packed_rows, uncopied_rows
 from pagedserve.model.rope import rope_tables
 
 
@@ -390,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
         for name, ws, m in (("layers", layer_ws, rows), ("LM head", [head] if isinstance(head, Packed) else [], head_rows)):
             for w in ws:
                 w.int8_act, w.small_m = int8_act, m if w.dense is not None or bare is None else max(m, bare)
-                if int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0":     # an A/B knob for benchmarks
+                if interleaves(int8_act):
                     w.interleave()
             if ws:
                 n = 0 if bare is None else sum(w.dense is None for w in ws)

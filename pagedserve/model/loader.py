@@ -26,12 +26,13 @@ from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_d
 from pagedserve.host import cache_root, release_free_heap
 from pagedserve.model.config import ModelConfig
 from pagedserve.model import hub, packed_cache
+from pagedserve.model.gguf_packed import FileSpans, make_packed, packed_matrix, pending
 from pagedserve.model.hub import looks_like_hub_id
 from pagedserve.model.families import VISION_MODEL_TYPES, UnsupportedModelError, hf_config_dict, model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import (AS_Q8_0, FORMATS, QUANTIZATIONS, Packed, PackedEmbedding, PackedLinear,
-                                    PackedWeight, as_q8_0, dense_copy_plan, describe, make_dense_copies, packed_weights,
-                                    quantize_int8, stack_rows)
+                                    PackedWeight, dense_copy_plan, describe, interleaves, make_dense_copies,
+                                    packed_weights, quantize_int8, stack_rows)
 
 log = logging.getLogger("pagedserve")
 
@@ -198,9 +199,10 @@ def cache_dir(path: str, kind: str, extra: str = "") -> str:
 def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization: str,
                 tp: TPGroup | None = None, int8_act: bool = False, dense_copy: bool = False,
                 packed_rows: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    spans = FileSpans()     # the packed matrices' reads, deferred (gguf_packed.py)
     with startup.phase("model read"):
         if quantization == "gguf":
-            cfg, weights = _read_gguf(src.path, dtype, packed=True)
+            cfg, weights = _read_gguf(src.path, dtype, spans)
         else:
             read = torch.float32 if quantization == "int8" else dtype      # int8 scales come from the fp32 weights
             cfg, weights = _read_gguf_cached(src.path, read) if src.kind == "gguf" else _read_hf(src.path, read)
@@ -226,6 +228,10 @@ def _load_model(src: ModelSource, dtype: torch.dtype, device: str, quantization:
                 what = [w for w, on in (("interleaved", int8_act), ("dense copies", copied)) if on] or ["as built"]
                 log.info("packed weights: %s, read from the cache (%s)", " + ".join(what), packed_cache.entry_path(key))
                 key, copied = None, []       # there already: nothing to compute or write
+    if pending(ws):
+        with startup.phase("packed weights read"):      # a miss: the file's packed tensors, one weight at a time
+            products = [m.weight for layer in model.layers for m in layer.products()] + [model.head_weight]
+            make_packed(ws, spans, {id(w) for w in products} if interleaves(int8_act) else set())
     if copied:
         with startup.phase("dense copies"):
             make_dense_copies(copied, dtype)
@@ -466,7 +472,19 @@ def gguf_reader(path: str):
                 offs += n * np.dtype(self.gguf_scalar_to_np[t]).itemsize
             return offs - orig_offs, [itype, alen, self.data[orig_offs + 12:offs]], [], [gguf.GGUFValueType.ARRAY, t]
 
-    return _SpanReader(path)
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            # a truncated file: named by its first tensor whose bytes it lacks (gguf's reshape error names none)
+            for f in fields:
+                name, dims, raw, at = bytes(f.parts[1]).decode(errors="replace"), f.parts[3], *f.parts[4:6]
+                if raw[0] in gguf.GGMLQuantizationType._value2member_map_:
+                    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw[0])]
+                    end = int(start_offs + at[0]) + int(np.prod(dims)) * size // block
+                    if end > len(self.data):
+                        raise ValueError(f"tensor {name} needs bytes up to {end}, but the file ends at "
+                                         f"{len(self.data)} (truncated?)")
+            super()._build_tensors(start_offs, fields)
+
+    return _SpanReader(path, "c")     # copy-on-write: tensors are writable views of the mapped file, not copies
 
 
 def gguf_array_len(reader, key: str) -> int | None:
@@ -505,9 +523,11 @@ def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     return cfg, {k: v.to(dtype) for k, v in weights.items()}
 
 
-def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[ModelConfig, dict]:
-    """packed: the matrices whose type the qmatmul kernels read (FORMATS) stay in their blocks, as
-    PackedWeight; everything else is dequantized to `dtype`."""
+def _read_gguf(path: str, dtype: torch.dtype, spans: FileSpans | None = None) -> tuple[ModelConfig, dict]:
+    """With `spans` (packed): the matrices whose type the qmatmul kernels read (FORMATS) stay in their blocks,
+    as PackedWeight, read only when made (gguf_packed.py; their reads noted in `spans`); everything else is
+    dequantized to `dtype`."""
+    packed = spans is not None
     try:
         reader = gguf_reader(path)
     except Exception as e:  # bad magic, truncated file, ...
@@ -529,7 +549,9 @@ def _read_gguf(path: str, dtype: torch.dtype, packed: bool = False) -> tuple[Mod
         _log_dense_matrices([t for t in dense if _is_projection(t, arch)])
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         arrays = dict(zip([t.name for t in dense], pool.map(_dequantize, dense)))
-    arrays.update({t.name: _packed(t) for t in reader.tensors if t.name in keep})
+    if packed:
+        spans.attach(reader)
+        arrays.update({t.name: packed_matrix(t, spans) for t in reader.tensors if t.name in keep})
     weights = {}
     for name, arr in arrays.items():
         hf_name = _gguf_to_hf_name(name, arch)
@@ -568,14 +590,6 @@ def _packable(t, arch: str) -> bool:
     our I8 rows) or is rewritten to one without loss (AS_Q8_0)."""
     name = t.tensor_type.name
     return (name in FORMATS and name != "I8" or name in AS_Q8_0) and _is_projection(t, arch)
-
-
-def _packed(t) -> PackedWeight:
-    name, K = t.tensor_type.name, int(t.shape[0])
-    data = torch.from_numpy(np.array(t.data))
-    if name in AS_Q8_0:
-        return PackedWeight("Q8_0", as_q8_0(name, data, K), K)
-    return PackedWeight(name, data, K)
 
 
 def _log_dense_matrices(ts: list) -> None:

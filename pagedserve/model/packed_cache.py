@@ -17,6 +17,8 @@ The file name is a digest of the key; the key itself is stored in the file and c
 An entry that does not match (another version, a changed file, a truncated or garbled file, a tensor of
 the wrong shape) is ignored and rebuilt, never trusted; a folder that cannot be written (read-only,
 full) is a warning: the start pays the work and serves.
+A hit is found before the file's packed tensors are read (the model is built on their shapes: gguf_packed.py),
+so the entry replaces them without their ever being read.
 The tensors read are mapped from the entry (safetensors), not copied: pages are shared between processes
 serving the same file and read as first used. An entry is only ever replaced whole by a rename, never
 rewritten in place, so a mapping keeps the bytes it was opened with (an outside tool truncating the file
@@ -104,7 +106,7 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bo
         log.warning("packed-weight cache entry %s ignored (%s: %s); rebuilding it", path, type(e).__name__, e)
         return False
     for i, (p, fmt) in enumerate(zip(leaves, fmts)):
-        p.data, p.fmt = tensors[f"data.{i}"], fmt
+        p.data, p.fmt, p.deferred = tensors[f"data.{i}"], fmt, None     # the file's bytes never read
     for j, w in enumerate(weights):
         if copies[j]:
             w.dense = tensors[f"dense.{j}"]

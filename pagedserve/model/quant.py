@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,16 @@ TILE_WEIGHTS = 1 << 21    # weights dequantized at a time for many-row GEMMs (4 
 # writes; a Qwen2.5-1.5B Q4_K gate_up at 256 rows: 805 ms tiles, 165 + 80 ms GEMM + dequantization, AMD).
 # 64M weights: a 128 MiB buffer in bf16 at most; larger matrices (a 150k-vocabulary LM head) go by tiles.
 WHOLE_WEIGHTS = 1 << 26
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A packed weight's bytes not made yet (the loader's: rows of the mapped model file, rewritten, permuted
+    or stacked): made on first need (`PackedWeight.materialize`), or never where the packed cache's entry
+    replaces them, so a warm load reads none of the file's packed tensors."""
+
+    make: Callable[[], torch.Tensor]    # -> the (N, row bytes) uint8 data
+    five_bits: bool = False             # Q8_0 rows rewritten from Q5_0 (as_q8_0): they regroup denser
 
 
 class Packed:
@@ -95,6 +105,7 @@ class PackedWeight(Packed):
     small_m: int = 8            # decode rows up to which qmatmul takes the product (packed_rows, at load)
     int8_act: bool = False      # few-row products round x to int8 blocks (set at load: int8_activations)
     dense: torch.Tensor | None = None   # (N, K) in the compute dtype for many-row products (--quantization auto)
+    deferred: Deferred | None = None    # bytes not made yet: `data` is a meta tensor of their shape
 
     def __post_init__(self) -> None:
         _, per_block, block_bytes = FORMATS[self.fmt]
@@ -104,6 +115,11 @@ class PackedWeight(Packed):
             raise ValueError(f"{self.fmt} weight of {self.K} inputs needs ({self.K // 32} x 32)-input rows of "
                              f"{want} bytes, got {tuple(self.data.shape)} {self.data.dtype}")
         self.data = self.data.contiguous()
+
+    def materialize(self) -> None:
+        """Deferred bytes made real (nothing when they are)."""
+        if self.deferred is not None:
+            self.data, self.deferred = self.deferred.make().contiguous(), None
 
     @property
     def grouped(self) -> bool:
@@ -122,6 +138,7 @@ class PackedWeight(Packed):
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """All rows (or the given row indices: embedding lookups) as a dense (n, K) tensor."""
+        self.materialize()
         n = self.data.shape[0] if rows is None else rows.numel()
         native = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32      # what the kernel writes
         if out is None or out.dtype != native:
@@ -146,6 +163,7 @@ class PackedWeight(Packed):
         (Q4_K: +3 %, its 6-bit scales as bytes); dequantize still gives the file's rows. A matrix whose
         N is not a multiple of 8 stays as it is. Done once at load, after every row-wise change (fusing,
         permuting, dense copies)."""
+        self.materialize()
         fmt, N = INTERLEAVED.get(self.fmt), self.data.shape[0]
         if fmt is None or N % 8:
             return
@@ -210,8 +228,17 @@ class PackedWeight(Packed):
     def permute_rows(self, perm: torch.Tensor) -> PackedWeight:
         if self.grouped:
             raise ValueError("an interleaved weight's rows are not permuted (interleave after)")
+        if self.deferred is not None:
+            later = Deferred(lambda make=self.deferred.make: make()[perm], self.deferred.five_bits)
+            return PackedWeight(self.fmt, _meta(*self.data.shape), self.K, self.small_m, self.int8_act, deferred=later)
         return PackedWeight(self.fmt, self.data[perm], self.K, self.small_m, self.int8_act,
                             None if self.dense is None else self.dense[perm])
+
+
+def _meta(rows: int, width: int) -> torch.Tensor:
+    """A deferred weight's stand-in: its bytes' shape, no storage (made directly: torch.cat or indexing on meta
+    tensors imports torch._dynamo, ~3 s and ~100 MB)."""
+    return torch.empty(rows, width, dtype=torch.uint8, device="meta")
 
 
 def _by_rows(rewrite, data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -347,7 +374,8 @@ def stack_rows(parts: list[PackedWeight]) -> Packed:
     """Fused projections (q|k|v, gate|up): one PackedWeight where the parts share a format, else the
     runs of one format each stacked (PackedParts)."""
     # a Q5_0 file's rows (Q8_0 after as_q8_0) apart from wider Q8_0 ones: they regroup denser (interleave)
-    kinds = [(p.fmt, p.fmt == "Q8_0" and _fits_5_bits(p.data, p.K)) for p in parts]
+    kinds = [(p.fmt, p.deferred.five_bits if p.deferred else p.fmt == "Q8_0" and _fits_5_bits(p.data, p.K))
+             for p in parts]
     runs: list[list[PackedWeight]] = []
     for i, p in enumerate(parts):
         if i and kinds[i] == kinds[i - 1]:
@@ -426,6 +454,12 @@ def int8_activations(dtype_asked: str, quantization: str) -> tuple[bool, str]:
     return True, f"--dtype {dtype_asked}: held to the closeness rule"
 
 
+def interleaves(int8_act: bool) -> bool:
+    """Whether packed weights are regrouped 8 rows at a time (PackedWeight.interleave): for int8 activations,
+    unless PAGEDSERVE_INTERLEAVE=0 (an A/B knob for benchmarks)."""
+    return int8_act and os.environ.get("PAGEDSERVE_INTERLEAVE") != "0"
+
+
 def q8_round(x: torch.Tensor) -> torch.Tensor:
     """What qmatmul_q8 multiplies: x (M, K) rounded to int8 per 32 values (d = max|x| / 127, round half
     to even), as float32. The reference for tests and accuracy figures."""
@@ -441,6 +475,11 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         raise ValueError("cannot fuse packed weights of different formats: " + ", ".join(p.fmt for p in parts))
     if parts[0].fmt in GROUPED:
         raise ValueError("interleaved weights are not fused (interleave after)")
+    if any(p.deferred for p in parts):        # made when the stack is: one product's parts at a time
+        make = lambda: torch.cat([p.deferred.make() if p.deferred else p.data for p in parts])   # noqa: E731
+        later = Deferred(make, all(p.deferred and p.deferred.five_bits for p in parts))
+        return PackedWeight(parts[0].fmt, _meta(sum(p.data.shape[0] for p in parts), parts[0].data.shape[1]),
+                            parts[0].K, deferred=later)
     return PackedWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].K)
 
 
