@@ -161,6 +161,11 @@ class LightTokenizer:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, added tokens not counted (transformers' vocab_size)."""
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
+    @property
     def added_tokens_encoder(self) -> dict[str, int]:
         return dict(self._added)
 

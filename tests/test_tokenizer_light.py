@@ -107,7 +107,7 @@ def test_ids_text_tokens_and_vocabulary_equal_transformers(pair):
         assert light.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
         assert light.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
     assert light(TEXTS).input_ids == hf(TEXTS).input_ids                 # a batch
-    assert len(light) == len(hf) and light.get_vocab() == hf.get_vocab()
+    assert len(light) == len(hf) and light.get_vocab() == hf.get_vocab() and light.vocab_size == hf.vocab_size
     assert light.added_tokens_encoder == hf.added_tokens_encoder
     for name in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
         assert getattr(light, name) == getattr(hf, name), name
