@@ -398,6 +398,7 @@ def main(argv=None) -> int:
                            "--kv-cache-dtype", a.kv_cache_dtype, *([a.model] if a.model else []),
                            *shlex.split(a.serve_args)])
     try:
+        settled_start(base)
         rss0 = rss_bytes(srv.pid) if srv else None
         run = asyncio.run(soak(base, a, srv.pid if srv else None))
         dbg = settle(base)
@@ -456,6 +457,19 @@ def summarize(run, dbg, health, metrics, rss0, rss1, a) -> dict:
         "rss_mb": run["rss"], "observed": obs,
         "outcomes": dict(outcomes), "failures": failures[:20],
     }
+
+
+def settled_start(base: str, limit_s: float = 120.0) -> None:
+    """Wait until the server's start-up work left for after ready (serve's GEMM shapes, built in idle time)
+    is done: what a soak measures is the steady state, and shapes built lazily between its RSS samples (a
+    busy host leaves the engine no idle time) would read as growth."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        st = (httpx.get(base + "/debug/state", timeout=10).json().get("startup") or {})
+        if not st.get("pending"):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"start-up work still pending after {limit_s:g} s: {st.get('pending')}")
 
 
 def rss_growth(trace: list[tuple[int, dict]], warmup: int) -> dict[str, float] | None:

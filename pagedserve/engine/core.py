@@ -161,6 +161,7 @@ class EngineCore:
                 if self.warm_at_load:
                     log.info("GEMM shapes: %s", self.gemm_warmup.run())
                 elif not self.gemm_warmup.done:
+                    self.startup.pending.append("GEMM shapes")
                     log.info("GEMM shapes: %d distinct products, every row bucket, built in the idle time after "
                              "ready", len(self.gemm_warmup.keys))
             else:
@@ -309,6 +310,7 @@ class EngineCore:
         if job.step(budget_s):
             return True
         self.startup.after_ready["GEMM shapes"] = job.seconds
+        self.startup.pending.remove("GEMM shapes")
         log.info("GEMM shapes after ready: %s", job.line())
         return False
 

@@ -49,6 +49,7 @@ class StartupTimer:
     current: str = "starting"            # the phase under way (what /health names while loading)
     ready: bool = False
     after_ready: dict[str, float] = field(default_factory=dict)   # work left for after ready (seconds, when done)
+    pending: list[str] = field(default_factory=list)              # work left for after ready, not done yet
     _last: float = field(default_factory=time.perf_counter)
 
     def add(self, name: str, seconds: float) -> None:
@@ -90,7 +91,8 @@ class StartupTimer:
                 "rss_mb": round(self.phases[-1].rss_mb if self.phases else rss_mb(), 1),
                 "phases": [{"phase": p.name, "seconds": round(p.seconds, 4), "rss_mb": round(p.rss_mb, 1)}
                            for p in self.phases],
-                "after_ready": {name: round(secs, 4) for name, secs in self.after_ready.items()}}
+                "after_ready": {name: round(secs, 4) for name, secs in self.after_ready.items()},
+                "pending": list(self.pending)}
 
     def summary(self, memory: dict[str, float] | None = None) -> str:
         """One line: 'ready in 2.9 s: imports 0.8, model read 1.1, ... | RSS 850 MB: weights 340, ...'."""
