@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from pagedserve.core.request import RequestStatus, owner_id
+from pagedserve.config import EngineArgs
 from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.views import cache_view, core_stats, scheduler_view
@@ -20,6 +21,17 @@ from pagedserve.engine.wire import (AddRequest, CheckFits, Control, FinishReques
                                     Precompile, StepOutput, UnloadLora)
 from pagedserve.errors import ParamError
 from pagedserve.lora_request import lora_id
+
+
+def build_core(args: EngineArgs, startup: StartupTimer | None, warm_at_load: bool):
+    """The core for these args: an EngineCore, or an EncoderCore for a sentence-transformers encoder (BERT-like:
+    it only embeds; its core runs no KV pool)."""
+    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
+    from pagedserve.model.loader import resolve_model
+    encoder = is_encoder_folder(resolve_model(args.model, args.revision))
+    return (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
+
 
 
 class CoreClient(ABC):

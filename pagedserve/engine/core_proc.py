@@ -68,7 +68,7 @@ def core_main(args: EngineArgs, conn, warm_at_load: bool, log_level: int, setup=
     # Ctrl-C or a supervisor's SIGTERM to the whole group must not kill the core under a draining server
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from pagedserve.engine.llm_engine import build_core
+    from pagedserve.engine.core_client import build_core
     from pagedserve.engine.views import engine_info
     out = _Sender(conn)
     try:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from pagedserve.config import EngineArgs
 from pagedserve.core.request import RequestStatus
-from pagedserve.engine.core_client import CoreClient, InProcClient
+from pagedserve.engine.core_client import CoreClient, InProcClient, build_core
 from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.multimodal import check_image
 from pagedserve.engine.info import CoreStats, EngineInfo
@@ -31,16 +31,6 @@ from pagedserve.sampling_params import PoolingParams, SamplingParams
 log = logging.getLogger("pagedserve")
 
 Delivery = tuple[RequestState, RequestOutput]      # an output and the state of the request it belongs to
-
-
-def build_core(args: EngineArgs, startup: StartupTimer | None, warm_at_load: bool):
-    """The core for these args: an EngineCore, or an EncoderCore for a sentence-transformers encoder (BERT-like:
-    it only embeds; its core runs no KV pool)."""
-    from pagedserve.engine.core import EngineCore
-    from pagedserve.engine.encoder_core import EncoderCore, is_encoder_folder
-    from pagedserve.model.loader import resolve_model
-    encoder = is_encoder_folder(resolve_model(args.model, args.revision))
-    return (EncoderCore if encoder else EngineCore)(args, startup, warm_at_load=warm_at_load)
 
 
 class LLMEngine:
