@@ -1,4 +1,5 @@
-"""(A copy of ../shared/bench/workload.py, so a lone clone has it: keep the two equal.)
+"""(A copy of the team's bench workload generator, kept here so a clone with nothing beside it has it: keep the
+two equal.)
 Deterministic synthetic workload used to compare serving engines side by side.
 
 Each request: prompt token ids drawn from the vocabulary, and a fixed number of output

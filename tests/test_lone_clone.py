@@ -26,7 +26,23 @@ def _bench_scripts_the_tests_start(files: list[str]) -> set[str]:
             with open(os.path.join(ROOT, f)) as fh:
                 text = fh.read()
             named |= {f"bench/{m}" for m in re.findall(r"bench[/\"', ]+([a-z_0-9]+\.py)", text)}
-    return named
+    return named | _bench_modules_they_import(named)
+
+
+def _bench_modules_they_import(scripts: set[str]) -> set[str]:
+    """bench/ modules the started scripts import (gpu_check imports workload.py), followed to the end."""
+    seen, todo = set(), list(scripts)
+    while todo:
+        path = os.path.join(ROOT, todo.pop())
+        if not os.path.isfile(path):
+            continue
+        with open(path) as fh:
+            names = re.findall(r"^\s*(?:import|from)\s+([a-z_0-9]+)", fh.read(), flags=re.M)
+        for f in {f"bench/{n}.py" for n in names} - seen - scripts:
+            if os.path.isfile(os.path.join(ROOT, f)):
+                seen.add(f)
+                todo.append(f)
+    return seen
 
 
 def test_nothing_make_test_runs_reads_beside_the_repository():
