@@ -55,7 +55,7 @@ def render_chat(template: str, messages: list, *, tools: list | None = None, doc
     if documents is not None and not all(isinstance(d, dict) for d in documents):
         raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
     documents = _plain(documents)
-    chat = _alias_reasoning(_plain(_normalize(messages)))
+    chat = _alias_reasoning(_normalize(messages))
     final = None
     if continue_final_message:
         final = _tag_final_message(chat, template, continue_final_message)
@@ -118,25 +118,12 @@ def _normalize(messages: list) -> list[dict]:
     """Message objects (dataclasses, pydantic models) as dicts; keys whose value is None dropped (many
     templates render a literal "None" for `content=None`, and handle a missing key)."""
     out = []
-    for m in _to_dicts(getattr(messages, "messages", messages)):
-        if not isinstance(m, dict):
+    for m in getattr(messages, "messages", messages):
+        d = _plain(m)
+        if not isinstance(d, dict):
             raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {m!r}.")
-        out.append({k: v for k, v in m.items() if v is not None})
+        out.append({k: v for k, v in d.items() if v is not None})
     return out
-
-
-def _to_dicts(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _to_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_dicts(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _to_dicts(value.model_dump())
-    return value
 
 
 def _plain(value: Any) -> Any:

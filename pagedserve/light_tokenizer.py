@@ -134,7 +134,8 @@ class LightTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if isinstance(ids, int):
             ids = [ids]
-        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode(ids if type(ids) is list else list(ids),
+                                             skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, seqs, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(s, skip_special_tokens) for s in seqs]

@@ -110,7 +110,10 @@ def _folder_tokenizer(path: str):
     """An HF folder's: light where tokenizers alone reads it as transformers does (light_refusal)."""
     why = light_refusal(path)
     if why is None:
-        return LightTokenizer(path)
+        try:
+            return LightTokenizer(path)
+        except ValueError as e:             # truncation or padding in tokenizer.json: transformers applies them
+            why = str(e)
     from pagedserve.model.families import from_transformers
     log.info("tokenizer through transformers (%s)", why)
     return SerialTokenizer(from_transformers("AutoTokenizer").from_pretrained(path))

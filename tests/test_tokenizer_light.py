@@ -183,6 +183,23 @@ def test_folders_transformers_would_change_load_through_it(tmp_path, tokenizer):
     assert light_refusal(str(tmp_path)) == "no tokenizer.json"
 
 
+def test_a_tokenizer_json_with_truncation_loads_through_transformers(tmp_path, tokenizer):
+    """Truncation in tokenizer.json (which transformers applies) makes the light reader step aside for
+    transformers, as the refusals above do, rather than fail the load."""
+    import json
+    from pagedserve.model.loader import ModelSource
+    from pagedserve.tokenizer import SerialTokenizer
+    tokenizer.save_pretrained(tmp_path)
+    with open(tmp_path / "tokenizer.json") as f:
+        spec = json.load(f)
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    with open(tmp_path / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    tok = build_tokenizer(ModelSource("hf", str(tmp_path), "truncating"))
+    assert isinstance(tok, SerialTokenizer)
+    assert tok(TEXTS[0])["input_ids"] == _hf(str(tmp_path))(TEXTS[0])["input_ids"]
+
+
 def test_hf_folders_get_the_light_tokenizer_where_it_reads_them(folders):
     from pagedserve.model.loader import ModelSource
     from pagedserve.tokenizer import SerialTokenizer

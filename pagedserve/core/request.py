@@ -119,6 +119,11 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
                        RequestStatus.FINISHED_ERROR})
 
 
+def fork_id(request_id: str, i: int) -> str:
+    """Sample i's sequence id of an n > 1 request (i >= 1; sample 0 is the request's own id)."""
+    return f"{request_id}#{i}"
+
+
 def owner_id(req: Request) -> str:
     """The user request a sequence belongs to: its first sequence carries the request's id."""
     return req.parent_id or req.request_id

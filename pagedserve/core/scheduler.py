@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pagedserve.config import EngineArgs
 from pagedserve.core.encoder_cache import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestStatus, fork_id
 from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidate, Drafting, SpecStats, \
     choose_drafts, ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
@@ -187,7 +187,7 @@ class Scheduler:
     def _fork(self, parent: Request, i: int) -> Request:
         """Sample i of an n > 1 request: shares the parent's blocks and runs from where it is."""
         seed = None if parent.generator_seed is None else (parent.generator_seed + i) % 2**64
-        child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params, parent.max_tokens,
+        child = Request(fork_id(parent.request_id, i), parent.prompt_token_ids, parent.params, parent.max_tokens,
                         parent.eos_token_ids, parent.priority, parent.traffic_class, parent.arrival_time,
                         arrival_seq=parent.arrival_seq,
                         status=RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens, seq_index=i,
@@ -340,7 +340,7 @@ class Scheduler:
         prefix = None
         if draft and draft[0] == DRAFT_PENDING:      # the draft model first reads what its KV lacks
             prefix = tuple(req.all_token_ids[req.num_draft_computed:start])
-        mm = self.encoder.use(req, start, n) if req.mm_features else ()
+        mm = self.encoder.use(req, start, n) if req.mm_features and start < req.mm_features[-1].end else ()
         seq = ScheduledSeq.of(req, start, n, self.kv.take_table_delta(req.request_id), start + n == req.num_tokens,
                               plp, pool, draft, prefix, mm)
         req.num_computed_tokens += n + len(draft)
@@ -353,13 +353,14 @@ class Scheduler:
         done = req.num_computed_tokens if num_computed is None else num_computed
         if lim is not None:
             budget = lim.allowance(req, budget)
-        n = min(req.num_tokens - done, budget)
+        n = most = min(req.num_tokens - done, budget)
         if self.cfg.enable_chunked_prefill and n > 1:
             n = min(n, self.cfg.long_prefill_token_threshold)
             if lim is not None:
                 n = lim.fit(req, done, n)
-        if req.mm_features and n > 0:             # images beyond the step's encoder budget wait for a later step
-            n = self.encoder.cut(req, done, self.encoder.whole(req, done, n, min(req.num_tokens - done, budget)))
+        # images beyond the step's encoder budget wait for a later step (past the last image: nothing to check)
+        if req.mm_features and n > 0 and done < req.mm_features[-1].end:
+            n = self.encoder.cut(req, done, self.encoder.whole(req, done, n, most))
         return n
 
     def _schedule_running(self, plan: list, preempted: list[str], budget: int, lim: _StepLimits | None,

@@ -224,7 +224,9 @@ class AsyncLLMEngine:
                     continue
                 taken = self.engine.steps_taken
                 outs = self.engine.step_states()
-                if self.on_stepped is not None and self.engine.steps_taken != taken:
+                if self.engine.steps_taken == taken:    # (a core in its own process: no step came in the wait)
+                    continue
+                if self.on_stepped is not None:
                     self.on_stepped(self.engine)
                 self._deliver(outs)
         except BaseException as e:      # nothing may leave a client waiting on a dead thread

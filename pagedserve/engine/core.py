@@ -334,10 +334,6 @@ class EngineCore:
         return int(blocks)
 
     # ------------------------------------------------------------ requests
-    def fit_prompt(self, ids: list[int]) -> list[int]:
-        """A prompt as this core runs it (a decoder: as given; EncoderCore truncates)."""
-        return ids
-
     def precompile(self, params: SamplingParams | PoolingParams) -> None:
         """Compile a request's constraint ahead, in the caller's thread (the server's workers)."""
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
-from pagedserve.core.request import RequestStatus, owner_id
+from pagedserve.core.request import RequestStatus
 from pagedserve.config import EngineArgs
 from pagedserve.engine.info import CoreStats, EngineInfo
 from pagedserve.engine.startup import StartupTimer
@@ -87,10 +87,6 @@ def handle(core, msg):
         case AddRequest():
             req = msg.request(lora_id(core.loras, msg.lora) if msg.lora is not None else None)
             core.add(req)
-        case FinishRequests(whole=True):
-            owners = set(msg.seq_ids)       # forks the frontend has not seen yet end with their request
-            core.finish([sid for sid, r in core.scheduler.requests.items() if owner_id(r) in owners],
-                        RequestStatus(msg.status))
         case FinishRequests():
             core.finish(list(msg.seq_ids), RequestStatus(msg.status))
         case GetStats(shared=shared):

@@ -107,11 +107,6 @@ class EncoderCore(EngineCore):
         self.queue: deque[Request] = deque()
 
     # ------------------------------------------------------------ requests
-    def fit_prompt(self, ids: list[int]) -> list[int]:
-        """sentence-transformers' truncation (the module docstring)."""
-        n = self.max_model_len
-        return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
-
     def precompile(self, params) -> None:
         pass
 

@@ -50,6 +50,12 @@ class EngineInfo:
         if bad:
             raise ParamError(param, f"{label or param}: token id {bad[0]} is outside the vocabulary [0, {V})")
 
+    def fit_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt as the core runs it: a decoder's as given; an encoder's truncated as sentence-transformers
+        truncates (the first max_model_len - 1 tokens and the last)."""
+        n = self.max_model_len
+        return ids if self.generates or len(ids) <= n else ids[:n - 1] + ids[-1:]
+
 
 @dataclass(slots=True, frozen=True)
 class SpecTotals:

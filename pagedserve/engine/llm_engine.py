@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from pagedserve.config import EngineArgs
-from pagedserve.core.request import RequestStatus
+from pagedserve.core.request import RequestStatus, fork_id
 from pagedserve.engine.core_client import CoreClient, InProcClient, build_core
 from pagedserve.engine.startup import StartupTimer
 from pagedserve.engine.multimodal import check_image
@@ -208,9 +208,7 @@ class LLMEngine:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError("lora_request must be a LoRARequest")
         text, ids = self.tokenize(prompt)
-        n = info.max_model_len          # an encoder truncates as sentence-transformers does (last token kept)
-        if not info.generates and len(ids) > n:
-            ids = ids[:n - 1] + ids[-1:]
+        ids = info.fit_prompt(ids)
         ids, mm = self._images(prompt, ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -238,7 +236,9 @@ class LLMEngine:
         if st is None:
             return None
         st.error = error
-        self.client.finish(FinishRequests((request_id,), status.value, whole=True))
+        # every sample's sequence, forks the frontend has not seen yet included (the core may be ahead of it)
+        seqs = (request_id, *(fork_id(request_id, i) for i in range(1, st.num_samples)))
+        self.client.finish(FinishRequests(seqs, status.value))
         self.outputs.end(st, status.value)
         return st, self.outputs.output(st)
 

@@ -122,7 +122,7 @@ class ImageInputs:
         self.eoi_id: int | None = vision_cfg.eoi_token_id if self.gemma3 else None
         self.placeholder: str = tokenizer.convert_ids_to_tokens(self.placeholder_id)   # its text in a chat turn
         self.tokenizer = tokenizer
-        self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3, Gemma 3)
+        self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3)
         self._newline: dict[int, int] = {}                      # token id -> the newlines it is (Gemma 3)
         self.split = isinstance(vision_cfg, Idefics3VisionConfig)     # crops, and the tokens written around them
         self.anyres = vision_cfg if isinstance(vision_cfg, LlavaNextVisionConfig) else None   # a count per size
@@ -132,6 +132,10 @@ class ImageInputs:
             self.anyres.check_processor(path, self.processor)
         if self.gemma3:
             _check_gemma3_processor(path, self.processor, vision_cfg)
+            from pagedserve.model.gemma3_vision import image_prompt
+            name = tokenizer.convert_ids_to_tokens
+            self._gemma3_ids = tokenizer.encode(image_prompt(self.placeholder, name(self.token_id), name(self.eoi_id),
+                                                             self.seq_len), add_special_tokens=False)
 
     def prompt(self, ids: list[int], urls: list[tuple[str, str]], allowed_domains: list[str] | None) -> dict:
         """A templated chat prompt and the image URLs its turns named (with the field naming each) -> the
@@ -152,13 +156,8 @@ class ImageInputs:
             out = self.processor(images=[img], return_tensors="pt")
             size = tuple(out["image_sizes"][0].tolist())
             return [self.token_id] * self.anyres.image_tokens(*size), [AnyresImage(out["pixel_values"][0], size)]
-        if self.gemma3:
-            if (0, 0) not in self._layouts:
-                from pagedserve.model.gemma3_vision import image_prompt
-                name = self.tokenizer.convert_ids_to_tokens
-                text = image_prompt(self.placeholder, name(self.token_id), name(self.eoi_id), self.seq_len)
-                self._layouts[(0, 0)] = self.tokenizer.encode(text, add_special_tokens=False)
-            return self._layouts[(0, 0)], [self.processor(images=[img], return_tensors="pt")["pixel_values"][0]]
+        if self.gemma3:             # (every image the same ids: tokenized once, at start)
+            return self._gemma3_ids, [self.processor(images=[img], return_tensors="pt")["pixel_values"][0]]
         if not self.split:
             pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
             return [self.token_id] * self.seq_len, [pixels]
@@ -181,12 +180,12 @@ class ImageInputs:
         if len(images) > self.limit:
             raise ParamError(param, f"{param}: {len(images)} images, more than the {self.limit} allowed per prompt "
                                     "(--limit-mm-per-prompt)")
-        parts = [self._image(img) for img in images]
         if self.gemma3 and self.token_id in ids:       # Gemma 3's placeholder is not its image token: expanded
-            return ids, self._as_is(ids, images, parts, param)
+            return ids, self._as_is(ids, images, param)
         at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) < len(images):
             raise self._mismatch(param, len(at), len(images))
+        parts = [self._image(img) for img in images]     # (after the cheap checks: the processor is not)
         spots = [(i, 1) for i in at] if len(at) == len(images) else None if self.gemma3 else \
             self._expanded(ids, at, parts)
         if spots is None:
@@ -230,15 +229,14 @@ class ImageInputs:
     def _is_newline(self, t: int) -> bool:
         return self._newlines(t) > 0
 
-    def _as_is(self, ids: list[int], images: list, parts: list, param: str) -> tuple[MMFeature, ...]:
-        """Gemma 3 ids HF's processor expanded: one run of seq_len image tokens per image, in order."""
+    def _as_is(self, ids: list[int], images: list, param: str) -> tuple[MMFeature, ...]:
+        """Gemma 3 ids HF's processor expanded: one run of seq_len image tokens, then end-of-image, per image."""
         from pagedserve.model.vision import image_hash
-        runs = [k for k, t in enumerate(ids) if t == self.token_id and (k == 0 or ids[k - 1] != self.token_id)]
-        ends = [k for k in runs if ids[k:k + self.seq_len + 1] == [self.token_id] * self.seq_len + [self.eoi_id]]
-        if len(runs) != len(images) or ends != runs:
+        runs = _runs(ids, self.token_id)
+        if len(runs) != len(images) or any(n != self.seq_len or ids[k + n:k + n + 1] != [self.eoi_id] for k, n in runs):
             raise ParamError(param, f"{param}: the prompt's image tokens are not {len(images)} runs of {self.seq_len} "
                                     "(one per image, as HF's processor writes them)")
-        return tuple(MMFeature(image_hash(img), k, self.seq_len, px[0]) for k, img, (_, px) in zip(runs, images, parts))
+        return tuple(MMFeature(image_hash(img), k, n, self._image(img)[1][0]) for (k, n), img in zip(runs, images))
 
     def _expanded(self, ids: list[int], at: list[int], parts: list) -> list[tuple[int, int]] | None:
         """Where each image's ids already stand in a prompt expanded by HF's processor (start, length), or

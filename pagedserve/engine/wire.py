@@ -76,12 +76,10 @@ class AddRequest:
 @dataclass(slots=True, frozen=True)
 class FinishRequests:
     """Sequences the frontend ends now, with their finish status (RequestStatus' value: "abort", "stop",
-    "error"). whole: the ids are user requests' and every sequence of each ends, forks the frontend has
-    not seen yet included (with the core ahead of the frontend, an abort can come before them)."""
+    "error"). Ids the core does not know (ended, or forks not made yet) are skipped."""
 
     seq_ids: tuple[str, ...]
     status: str
-    whole: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,7 @@ import mmap
 
 import torch
 
-from pagedserve.model.quant import AS_Q8_0, FORMATS, Deferred, Packed, PackedParts, PackedWeight, _meta, as_q8_0
+from pagedserve.model.quant import AS_Q8_0, FORMATS, Deferred, Packed, PackedWeight, _meta, as_q8_0, leaves
 
 
 class FileSpans:
@@ -53,13 +53,9 @@ def packed_matrix(t, spans: FileSpans) -> PackedWeight:
     return PackedWeight(fmt, _meta(rows, width), K, deferred=Deferred(make, five_bits=name == "Q5_0"))
 
 
-def _leaves(weights: list[Packed]) -> list[PackedWeight]:
-    return [p for w in weights for p in (w.parts if isinstance(w, PackedParts) else [w])]
-
-
 def pending(weights: list[Packed]) -> bool:
     """Whether any of these weights' bytes are still deferred."""
-    return any(p.deferred is not None for p in _leaves(weights))
+    return any(p.deferred is not None for p in leaves(weights))
 
 
 def make_packed(weights: list[Packed], spans: FileSpans, regroup: set[int]) -> int:
@@ -69,7 +65,7 @@ def make_packed(weights: list[Packed], spans: FileSpans, regroup: set[int]) -> i
     of leaves made."""
     made = 0
     for w in weights:
-        for p in _leaves([w]):
+        for p in leaves([w]):
             if p.deferred is not None:
                 p.materialize()
                 if id(w) in regroup:

@@ -34,7 +34,7 @@ import os
 import torch
 
 from pagedserve.host import cache_root, cpu_info
-from pagedserve.model.quant import FORMATS, Packed, PackedWeight
+from pagedserve.model.quant import FORMATS, Packed, PackedWeight, interleaves, leaves
 
 log = logging.getLogger("pagedserve")
 
@@ -65,19 +65,14 @@ def model_file_hash(path: str) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{h.hexdigest()[:32]}"
 
 
-def _leaves(weights: list[Packed]) -> list[PackedWeight]:
-    """Every PackedWeight under the model's packed weights (a fused one's parts), in order."""
-    return [p for w in weights for p in (w.parts if hasattr(w, "parts") else [w])]
-
-
 def entry_key(model_path: str, weights: list[Packed], dtype: torch.dtype, int8_act: bool,
               copies: list[bool]) -> str:
     """The whole key, as the JSON text stored in the entry (copies: which weights have a dense copy)."""
     return json.dumps({"engine": engine_version(), "model": model_file_hash(model_path),
                        "host": " ".join(sorted(cpu_info()[1])), "dtype": str(dtype), "int8_act": int8_act,
                        "dense": [j for j, on in enumerate(copies) if on],
-                       "interleave": os.environ.get("PAGEDSERVE_INTERLEAVE") != "0",
-                       "weights": [[p.fmt, p.K, p.data.shape[0]] for p in _leaves(weights)]}, sort_keys=True)
+                       "interleave": interleaves(True),
+                       "weights": [[p.fmt, p.K, p.data.shape[0]] for p in leaves(weights)]}, sort_keys=True)
 
 
 def entry_path(key: str) -> str:
@@ -92,10 +87,10 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bo
         return False
     try:
         tensors, fmts = _read(path, key)
-        leaves = _leaves(weights)
-        if len(fmts) != len(leaves) or len(tensors) != len(leaves) + sum(copies):
-            raise ValueError(f"{len(tensors)} tensors for {len(leaves)} packed weights")
-        for i, (p, fmt) in enumerate(zip(leaves, fmts)):
+        parts = leaves(weights)
+        if len(fmts) != len(parts) or len(tensors) != len(parts) + sum(copies):
+            raise ValueError(f"{len(tensors)} tensors for {len(parts)} packed weights")
+        for i, (p, fmt) in enumerate(zip(parts, fmts)):
             _check_data(tensors[f"data.{i}"], fmt, p)
         for j, w in enumerate(weights):
             if copies[j]:
@@ -105,7 +100,7 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bo
     except Exception as e:      # stale, truncated, garbled: rebuilt, never trusted
         log.warning("packed-weight cache entry %s ignored (%s: %s); rebuilding it", path, type(e).__name__, e)
         return False
-    for i, (p, fmt) in enumerate(zip(leaves, fmts)):
+    for i, (p, fmt) in enumerate(zip(parts, fmts)):
         p.data, p.fmt, p.deferred = tensors[f"data.{i}"], fmt, None     # the file's bytes never read
     for j, w in enumerate(weights):
         if copies[j]:
@@ -118,13 +113,13 @@ def save(key: str, weights: list[Packed]) -> None:
     half of one). A folder that cannot be written is a warning."""
     from safetensors.torch import save_file
     path = entry_path(key)
-    leaves = _leaves(weights)
-    tensors = {f"data.{i}": p.data for i, p in enumerate(leaves)}
+    parts = leaves(weights)
+    tensors = {f"data.{i}": p.data for i, p in enumerate(parts)}
     tensors.update({f"dense.{j}": w.dense for j, w in enumerate(weights) if w.dense is not None})
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_file(tensors, tmp, metadata={"key": key, "fmts": json.dumps([p.fmt for p in leaves])})
+        save_file(tensors, tmp, metadata={"key": key, "fmts": json.dumps([p.fmt for p in parts])})
         os.replace(tmp, path)
     except OSError as e:
         log.warning("packed-weight cache not written (%s: %s): the next start repeats this work",

@@ -454,6 +454,11 @@ def int8_activations(dtype_asked: str, quantization: str) -> tuple[bool, str]:
     return True, f"--dtype {dtype_asked}: held to the closeness rule"
 
 
+def leaves(weights: list[Packed]) -> list[PackedWeight]:
+    """Every PackedWeight under these packed weights (a fused one's parts), in order."""
+    return [p for w in weights for p in (w.parts if isinstance(w, PackedParts) else [w])]
+
+
 def interleaves(int8_act: bool) -> bool:
     """Whether packed weights are regrouped 8 rows at a time (PackedWeight.interleave): for int8 activations,
     unless PAGEDSERVE_INTERLEAVE=0 (an A/B knob for benchmarks)."""

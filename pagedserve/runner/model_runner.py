@@ -208,7 +208,7 @@ class ModelRunner:
             else:
                 pre_lens.append(start + n)
                 cu_q.append(cu_q[-1] + n)
-                if self.two_way_images:
+                if self.two_way_images and s.mm_inputs:
                     spans.extend(_image_spans(s, row0))
             if s.num_draft:            # speculative: every row samples, row i after i accepted drafts
                 logit_rows.extend(range(row0 + n - 1 - s.num_draft, row0 + n))

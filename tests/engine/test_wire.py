@@ -60,7 +60,7 @@ def _records(msg):
             yield from _records(x)
 
 
-MESSAGES = {"add": _add(), "finish": FinishRequests(("r#0", "r#1"), "abort", True), "step": _step(),
+MESSAGES = {"add": _add(), "finish": FinishRequests(("r", "r#1"), "abort"), "step": _step(),
             "stats": Call(4, GetStats(True)), "view": Call(5, GetView("cache")), "fits": Call(6, CheckFits(9, 8)),
             "precompile": Call(7, Precompile(_params())), "load": Call(8, LoadLora("a", "/p")),
             "unload": Call(9, UnloadLora("a")), "reply": Reply(3, {"x": [1]}, CoreError("ParamError", "m", "p", "c")),

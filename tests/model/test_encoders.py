@@ -109,6 +109,14 @@ def test_small_steps_and_pooling_override(base):
             llm.generate("w1 w2")
         assert e.value.param == "model"
         assert not llm.engine.states and llm.engine.held() == {"engine.states": 0, "encoder.queue": 0}
+        # an embedding aborted while queued leaves the queue, and the steps after it embed the others only
+        eng = llm.engine
+        gone, kept = (eng.add_request(None, t, PoolingParams()) for t in TEXTS[:2])
+        assert eng.abort(gone).finished and eng.held()["encoder.queue"] == 1
+        done = []
+        while eng.has_unfinished_requests():
+            done += eng.step()
+        assert [o.request_id for o in done] == [kept] and eng.held() == {"engine.states": 0, "encoder.queue": 0}
 
 
 def test_v1_embeddings_over_http(base):
