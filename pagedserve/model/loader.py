@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve import disk_cache
 from pagedserve.engine import startup
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import check_tensor_parallel, shard_state_dict
@@ -507,7 +508,9 @@ def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         try:
             with open(cf) as f:
                 cfg = ModelConfig(**json.load(f))
-            return cfg, {k: v.to(dtype) for k, v in load_file(wf).items()}
+            weights = {k: v.to(dtype) for k, v in load_file(wf).items()}
+            disk_cache.used(d)
+            return cfg, weights
         except Exception:   # a damaged cache is rebuilt, never fatal
             pass
     cfg, weights = _read_gguf(path, torch.float32)
@@ -518,6 +521,7 @@ def _read_gguf_cached(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         with open(cf + ".tmp", "w") as f:
             json.dump(dataclasses.asdict(cfg), f)
         os.replace(cf + ".tmp", cf)
+        disk_cache.prune(os.path.dirname(d), keep=d)      # the folder kept to its budget (disk_cache)
     except OSError:
         pass   # a read-only or full disk only costs the parse next time
     return cfg, {k: v.to(dtype) for k, v in weights.items()}

@@ -22,7 +22,9 @@ so the entry replaces them without their ever being read.
 The tensors read are mapped from the entry (safetensors), not copied: pages are shared between processes
 serving the same file and read as first used. An entry is only ever replaced whole by a rename, never
 rewritten in place, so a mapping keeps the bytes it was opened with (an outside tool truncating the file
-in place while an engine runs would fault it). Old entries are not pruned (~365 MB for the default model)."""
+in place while an engine runs would fault it). The folder is kept to a budget (pagedserve.disk_cache: least
+recently used entries removed after each write; a hit marks its entry used): ~365 MB an entry for the
+default model, one per engine version."""
 from __future__ import annotations
 
 import functools
@@ -33,6 +35,7 @@ import os
 
 import torch
 
+from pagedserve import disk_cache
 from pagedserve.host import cache_root, cpu_info
 from pagedserve.model.quant import FORMATS, Packed, PackedWeight, interleaves, leaves
 
@@ -105,6 +108,7 @@ def restore(key: str, weights: list[Packed], dtype: torch.dtype, copies: list[bo
     for j, w in enumerate(weights):
         if copies[j]:
             w.dense = tensors[f"dense.{j}"]
+    disk_cache.used(path)
     return True
 
 
@@ -121,6 +125,7 @@ def save(key: str, weights: list[Packed]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_file(tensors, tmp, metadata={"key": key, "fmts": json.dumps([p.fmt for p in parts])})
         os.replace(tmp, path)
+        disk_cache.prune(os.path.dirname(path), keep=path)
     except OSError as e:
         log.warning("packed-weight cache not written (%s: %s): the next start repeats this work",
                     os.path.dirname(path), e.strerror or e)

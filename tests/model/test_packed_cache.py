@@ -178,3 +178,33 @@ def test_an_unwritable_cache_is_a_warning(gguf_file, tmp_path, monkeypatch, capl
     assert [w.dense is None for w in weights].count(True) == 1
     if why == "full":                   # no half-written file left behind
         assert [n for n in _entries() if n.endswith(".tmp")] == []
+
+
+
+def test_the_folder_is_pruned_to_its_budget_oldest_use_first(gguf_file, monkeypatch):
+    """Engine versions a, b, c as the keys, a budget of 2.5 entries: after a and b, a hit on a marks it used,
+    so writing c removes b (the least recently used), not a; with a budget of 0 the entry just written
+    stays alone."""
+    version = {"v": "0.0.0+a"}
+    monkeypatch.setattr(packed_cache, "engine_version", lambda: version["v"])
+    folder = os.path.join(packed_cache.cache_root(), "packed")
+    _load(gguf_file, monkeypatch)
+    (a,) = _entries()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_MAX_GB", str(2.5 * os.path.getsize(os.path.join(folder, a)) / 2**30))
+    version["v"] = "0.0.0+b"
+    _load(gguf_file, monkeypatch)
+    (b,) = set(_entries()) - {a}
+    os.utime(os.path.join(folder, a), (1e9, 1e9))            # a older than b, whatever the clock's resolution
+    os.utime(os.path.join(folder, b), (1e9 + 1, 1e9 + 1))
+    version["v"] = "0.0.0+a"
+    _, answers = _load(gguf_file, monkeypatch)
+    assert answers == [True]                                   # a hit: a is now the most recently used
+    version["v"] = "0.0.0+c"
+    _, answers = _load(gguf_file, monkeypatch)
+    assert answers == [False]
+    (c,) = set(_entries()) - {a, b}
+    assert set(_entries()) == {a, c}                           # b, the least recently used, went
+    monkeypatch.setenv("PAGEDSERVE_CACHE_MAX_GB", "0")
+    version["v"] = "0.0.0+d"
+    _load(gguf_file, monkeypatch)
+    assert len(_entries()) == 1 and _entries()[0] not in {a, b, c}
