@@ -95,6 +95,16 @@ def test_greedy_equals_hf(qwen, text, seeds):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_attention_paths_equal_hf(qwen, backend):
+    """The torch path (and Triton's, interpreted on the CPU) with the gathered M-RoPE cos/sin: the same tokens."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ref = hf_ref(qwen, PROMPT2, (1, 2))
+    out = _llm(qwen[0], attention_backend=backend).generate(_prompt(PROMPT2, (1, 2)), GREEDY)[0]
+    _match(out.outputs[0], ref)
+
+
 def test_image_vectors_equal_hf(qwen):
     """The tower and merger against HF's get_image_features: windows partial at the edge (6 x 5 tokens, windows of
     2 x 2), whole (4 x 6), and a larger grid (7 x 9) with several of each."""
@@ -215,6 +225,20 @@ def test_same_image_shares_blocks_and_encoder_output(qwen):
                 outs[o.request_id] = o
     for rid, (seeds, sizes) in cases.items():
         _match(outs[rid].outputs[0], hf_ref(qwen, PROMPT1, seeds, sizes=sizes))
+    assert_idle(llm)
+
+
+def test_a_prefix_hit_ending_inside_an_image_stays_exact(qwen):
+    """A prompt that is one image (32 tokens, the image at 1..30): the second request's hit is 7 blocks, ending
+    inside the image; it computes positions 28..31 (the image's last three tokens at their 2D positions, from the
+    encoder cache) and gives HF's tokens."""
+    ref = hf_ref(qwen, IMG, (1,))
+    llm = _llm(qwen[0])
+    outs = [llm.generate(_prompt(IMG, (1,)), GREEDY)[0] for _ in range(2)]
+    req_hit = llm.engine.core.scheduler.encoder
+    assert outs[1].num_cached_tokens == 28 and (req_hit.misses, req_hit.hits) == (1, 1)
+    for o in outs:
+        _match(o.outputs[0], ref)
     assert_idle(llm)
 
 
