@@ -13,16 +13,21 @@
   A text token's rows are equal; an image's tokens take (p, p + row, p + col) from the position p its
   first token would have, and the text after it goes on from p + max(rows, cols), not from its index
   (HF's get_rope_index). So a position is the token's index plus a shift that grows (negatively) with
-  each image before it: `core.request.rope_shift`, from each MMFeature's `grid`. Decode continues at
-  index + the shift after the last image (HF's rope_deltas); a prompt without images is Qwen2 as is.
+  each image before it: `core.request.rope_shift`, from each MMFeature's `grid` (the runner's
+  `_mrope_positions` turns them into rows). Decode continues at index + the shift after the last image
+  (HF's rope_deltas); a prompt without images is Qwen2 as is.
 
 One MMFeature is one image (its patches and grid: `QwenVLImage`); its token grid rides on the feature
-(`MMFeature.grid`) so the scheduler and runner know positions without the pixels."""
+(`MMFeature.grid`) so the scheduler and runner know positions without the pixels. The cache keeps keys
+after rotation, so a block may be shared only where positions match: a block's hash chains through
+every block before it and carries the content hash of each image it overlaps, and an image's content
+fixes its grid, so equal hashes mean equal positions (two images with the same token ids and another
+grid differ by their hash)."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -97,11 +102,13 @@ class QwenVLVisionConfig:
 
 _READS = frozenset({"text_config", "vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id",
                     "tie_word_embeddings"})
-_INERT = frozenset({"video_token_id"})      # (a video is refused where it arrives: engine/llm_engine.py)
+# (video_token_id: a video is refused where it arrives, engine/llm_engine.py; vision_token_id, and the tower's
+# in_chans and spatial_patch_size: in Qwen's own config.json files, read by nothing in HF's model)
+_INERT = frozenset({"video_token_id", "vision_token_id"})
 _TOWER_READS = frozenset({"depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                           "temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes",
                           "hidden_act", "out_hidden_size", "rope_parameters"})
-_TOWER_INERT = frozenset({"tokens_per_second"})   # (video frames' temporal positions only)
+_TOWER_INERT = frozenset({"tokens_per_second", "in_chans", "spatial_patch_size"})   # (tokens_per_second: video only)
 _ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
          "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
@@ -142,7 +149,6 @@ def qwen2_5_vl_vision_config(hf: dict, path: str | None = None) -> QwenVLVisionC
                                     f"vocabulary ({hf['text_config']['vocab_size']})")
     most = _max_pixels(path)
     if most is not None:
-        from dataclasses import replace
         cfg = replace(cfg, max_image_tokens=max(1, most // cfg.factor ** 2))
     return cfg
 
@@ -163,12 +169,6 @@ def image_tokens(grid: tuple[int, int, int], merge: int) -> tuple[int, int]:
     if t != 1:
         raise ValueError(f"an image has one temporal patch, got grid {grid} (video is not supported)")
     return h // merge, w // merge
-
-
-def mrope_shift(grid: tuple[int, int], length: int) -> int:
-    """What an image of this token grid adds to the positions of the tokens after it: they go on from its
-    first position + max(rows, cols) instead of + length (HF's get_rope_index)."""
-    return max(grid) - length
 
 
 class RMSNorm(nn.Module):

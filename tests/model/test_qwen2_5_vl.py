@@ -306,3 +306,23 @@ def test_a_config_we_do_not_compute_is_refused(qwen, tmp_path, field, edit):
     d = _edited(qwen[0], tmp_path, field.replace(".", "-"), edit)
     with pytest.raises((ModelLoadError, ValueError), match=field.rpartition(".")[2]):
         LLM(d, dtype="float32", num_kv_blocks=16)
+
+
+def _qwen_layout(c: dict) -> None:
+    """config.json as Qwen's own files write it (transformers 4.x): the text fields at the top level, rope_scaling
+    {"type": "mrope"}, vision_token_id, and the tower's in_chans and spatial_patch_size."""
+    text = c.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for k in ("model_type", "layer_types", "dtype"):
+        text.pop(k, None)
+    c.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+             vision_token_id=c["image_token_id"] - 1)
+    c["vision_config"].update(in_chans=3, spatial_patch_size=c["vision_config"]["patch_size"])
+
+
+def test_qwen_config_layout_loads_the_same(qwen, tmp_path):
+    d = _edited(qwen[0], tmp_path, "qwen-layout", {"config.json": _qwen_layout})
+    cfg = json.loads(open(f"{d}/config.json").read())
+    assert "text_config" not in cfg and cfg["rope_scaling"]["type"] == "mrope"
+    out = _llm(d).generate(_prompt(PROMPT2, (1, 2)), GREEDY)[0]
+    _match(out.outputs[0], hf_ref(qwen, PROMPT2, (1, 2)))
