@@ -91,6 +91,9 @@ class ModelRunner:
         # Gemma 3: an image's tokens attend to each other both ways in prefill (model/gemma3_vision.py)
         vision_cfg = getattr(getattr(model, "vision", None), "cfg", None)
         self.two_way_images = bool(getattr(vision_cfg, "bidirectional", False))
+        # Qwen2.5-VL: rotary positions past and at images are not the token index (model/qwen2_5_vl.py); a
+        # draft model's runner fed the same records keeps its own (the index)
+        self.mrope = bool(model.cfg.mrope_section)
         self.attention_backend = self._attention_backend(attention_backend)
         self.use_native = self.attention_backend == "native"
         self.use_triton = self.attention_backend == "triton"
@@ -235,7 +238,7 @@ class ModelRunner:
                 m.prefill_key_limits = torch.from_numpy(limits)
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layout.layer_group]
         lora = self.lora.batch(row_loras, sum(lens[:num_dec])) if self.lora is not None else None
-        if any(s.rope_shift or s.mm_inputs and s.mm_inputs[-1].grid for s in seqs):   # M-RoPE past or at an image
+        if self.mrope and any(s.rope_shift or s.mm_inputs for s in seqs):     # past or at an image
             pos = _mrope_positions(seqs, pos)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos), md, logit_rows, sample_rows,
                 prompt_rows, pool_rows, lora)
