@@ -261,9 +261,11 @@ class QwenVLVision(nn.Module):
         x = self.patch_embed.proj(im.pixels.to(w.dtype).view(-1, cfg.in_channels, cfg.temporal_patch_size,
                                                               cfg.patch_size, cfg.patch_size)).view(-1, cfg.hidden_size)
         order, windows = window_order(im.grid, cfg)
+        order = order.to(x.device)
         L = x.shape[0]
         x = x.view(L // unit, unit, -1)[order].reshape(L, -1)       # window by window (merge blocks kept whole)
-        angles = patch_positions(im.grid, cfg.spatial_merge_size)[..., None].float() * self.inv_freq.to(x.device)
+        rc = patch_positions(im.grid, cfg.spatial_merge_size).to(x.device)
+        angles = rc[..., None].float() * self.inv_freq.to(x.device)
         angles = angles.flatten(1)                                   # (L, hd / 2): the row's, then the col's
         angles = angles.view(L // unit, unit, -1)[order].reshape(L, -1)
         emb = torch.cat((angles, angles), -1)[:, None, :]            # (L, 1, head dim)
