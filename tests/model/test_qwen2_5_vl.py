@@ -2,8 +2,8 @@
 ViT with 2D rotary, full attention in one of its three blocks, the 2x2 merger; a Qwen2 text model with M-RoPE)
 written by transformers with its image processor. Greedy tokens, and the logprobs behind them, equal HF's in
 float32 with one image, two images of different sizes and none, also through chunked prefill in small chunks
-(an image split across chunks) and preemption; the M-RoPE positions equal HF's get_rope_index (and decode
-continues from its rope_deltas); the tower's vectors equal HF's; the same image in two requests shares its blocks
+(an image split across chunks) and preemption; every prompt position's logprob equals HF's forward; the M-RoPE
+positions equal HF's get_rope_index (and decode continues from its rope_deltas); Qwen's own config layout loads; the tower's vectors equal HF's; the same image in two requests shares its blocks
 and one encoder run, and two images with the same token ids but different grids share nothing; a video, or a
 config or processor we do not compute, is refused naming the field."""
 from __future__ import annotations
@@ -150,6 +150,24 @@ def test_positions_equal_hf_rope_index(qwen):
     assert torch.equal(got[:, :n], want)
     assert delta < 0 and torch.equal(got[:, n:], (torch.arange(n, n + 3) + delta).expand(3, -1))
     assert any(pos.dim() == 1 for _, pos in seen[:-3])          # text-only chunks keep 1-D positions
+
+
+def test_prompt_logprobs_equal_hf(qwen):
+    """Every prompt position's logprob equals HF's forward over the whole prompt (two images, 9-token chunks), and
+    not HF's with plain 1-D positions (M-RoPE moves them)."""
+    path, hf, proc, tok = qwen
+    inp = qwen_vl_inputs(proc, tok, PROMPT2, [image(1), image(2)])
+    ids = inp["input_ids"][0].tolist()
+    flat = inp | {"position_ids": torch.arange(len(ids))[None].expand(3, 1, -1)}
+    with torch.inference_mode():
+        want, plain = (torch.log_softmax(hf(**x).logits[0], -1) for x in (inp, flat))
+    llm = _llm(path, max_num_batched_tokens=9, long_prefill_token_threshold=9)
+    out = llm.generate(_prompt(PROMPT2, (1, 2)), SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    ours = torch.tensor([step[ids[i + 1]].logprob for i, step in enumerate(out.prompt_logprobs[1:])])
+    want, plain = (lp[torch.arange(len(ids) - 1), ids[1:]] for lp in (want, plain))
+    assert (ours - want).abs().max() < LOGPROB_TOL
+    assert (ours - plain).abs().max() > 100 * LOGPROB_TOL
+    assert_idle(llm)
 
 
 def _chunks(llm: LLM) -> list[tuple[int, int]]:
