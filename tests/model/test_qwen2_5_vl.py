@@ -3,9 +3,10 @@ ViT with 2D rotary, full attention in one of its three blocks, the 2x2 merger; a
 written by transformers with its image processor. Greedy tokens, and the logprobs behind them, equal HF's in
 float32 with one image, two images of different sizes and none, also through chunked prefill in small chunks
 (an image split across chunks) and preemption; every prompt position's logprob equals HF's forward; the M-RoPE
-positions equal HF's get_rope_index (and decode continues from its rope_deltas); Qwen's own config layout loads; the tower's vectors equal HF's; the same image in two requests shares its blocks
-and one encoder run, and two images with the same token ids but different grids share nothing; a video, or a
-config or processor we do not compute, is refused naming the field."""
+positions equal HF's get_rope_index (and decode continues from its rope_deltas); Qwen's own config layout
+loads; the tower's vectors equal HF's; the same image in two requests shares its blocks and one encoder run,
+and two images with the same token ids but different grids share nothing; a video, or a config or processor
+we do not compute, is refused naming the field."""
 from __future__ import annotations
 
 import json
