@@ -271,6 +271,32 @@ def test_encoder_cache_without_prefix_cache(qwen):
     assert_idle(llm)
 
 
+def test_encoder_budget_cuts_before_an_image(qwen):
+    """A budget of one image a step (raised to the most tokens one image can take: 64 at the processor's 4096
+    pixels): the two-image request's first chunk stops before its second image (63 + 30 tokens), while a running
+    request's decode goes on in the same steps; its tokens still HF's."""
+    llm = _llm(qwen[0], encoder_budget_tokens=30, enable_prefix_caching=False)
+    eng = llm.engine
+    assert eng.core.scheduler.encoder.budget_tokens == 64
+    eng.add_request("text", {"prompt": TEXT}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.add_request("img", _prompt(PROMPT2, (3, 1)), GREEDY)
+    eng.step()
+    req, text = eng.core.scheduler.requests["img"], eng.core.scheduler.requests["text"]
+    assert [f.length for f in req.mm_features] == [63, 30]
+    assert req.num_computed_tokens == req.mm_features[1].offset and text.num_output_tokens == 2
+    eng.step()
+    assert req.num_computed_tokens == req.num_prompt_tokens and text.num_output_tokens == 3
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    _match(outs["img"].outputs[0], hf_ref(qwen, PROMPT2, (3, 1)))
+    assert eng.core.runner.encoder_runs == 2
+    assert_idle(llm)
+
+
 def test_chat_with_image_parts_offline(qwen):
     """A chat image part is written as Qwen's template writes it: <|vision_start|><|image_pad|><|vision_end|>,
     no newline, before the message's text."""
