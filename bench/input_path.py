@@ -27,6 +27,7 @@ def run(n: int, context: int, steps: int) -> dict:
     runner = object.__new__(ModelRunner)           # the input path only
     runner.block_size, runner.layout, runner.lora, runner.rows_as_decode = bs, KVLayout.uniform(1), None, False
     runner.use_native = runner.native_prefill = runner.bf16_dots = runner.use_triton = False
+    runner.two_way_images = runner.mrope = False   # (no images: read by prepare in checkouts that have them)
     batch = None
     try:
         from pagedserve.runner.input_batch import InputBatch

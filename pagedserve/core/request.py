@@ -12,12 +12,21 @@ from pagedserve.sampling_params import SamplingParams
 @dataclass(slots=True, frozen=True)
 class MMFeature:
     """One image of a prompt: its content hash, and the prompt positions offset..offset+length-1 its
-    encoder vectors fill. `data` is what the runner's encoder reads (its pixels; opaque here)."""
+    encoder vectors fill. `data` is what the runner's encoder reads (its pixels; opaque here). `grid`:
+    M-RoPE (Qwen2.5-VL) only, the (rows, cols) its vectors lie in, which set its tokens' positions and
+    those of everything after it (`rope_shift`); () elsewhere."""
 
     hash: str
     offset: int
     length: int
     data: Any = field(default=None, compare=False, repr=False)
+    grid: tuple[int, ...] = ()
+
+    @property
+    def rope_shift(self) -> int:
+        """What the image adds to the rotary positions of the tokens after it: they go on from its first
+        position + max(rows, cols) rather than + length (HF's get_rope_index); 0 without a grid."""
+        return max(self.grid) - self.length if self.grid else 0
 
     @property
     def end(self) -> int:
@@ -25,6 +34,12 @@ class MMFeature:
 
     def overlaps(self, start: int, end: int) -> bool:
         return self.offset < end and start < self.end
+
+
+def rope_shift(features: tuple[MMFeature, ...], pos: int) -> int:
+    """A text token's rotary position at index `pos` minus `pos`: the shifts of the images wholly before it
+    (M-RoPE; 0 for every other model). Decode tokens follow the last image: HF's rope_deltas."""
+    return sum(f.rope_shift for f in features if f.end <= pos)
 
 
 class RequestStatus(enum.Enum):

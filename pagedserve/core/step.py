@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps, TableDelta
-from pagedserve.core.request import MMFeature, Request
+from pagedserve.core.request import MMFeature, Request, rope_shift
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
 
@@ -84,6 +84,8 @@ class ScheduledSeq:
     draft_prefix: tuple[int, ...] | None = None
     mm_inputs: tuple[MMFeature, ...] = ()   # the images whose positions this chunk overlaps (their vectors
                                             # replace those rows' embeddings; encoded first if not cached)
+    rope_shift: int = 0                     # M-RoPE: what the images before `start` add to its rotary positions
+                                            # (core.request.rope_shift; the runner adds those in mm_inputs)
 
     @property
     def draft(self) -> tuple[int, ...]:
@@ -109,7 +111,7 @@ class ScheduledSeq:
            mm_inputs: tuple[MMFeature, ...] = ()) -> ScheduledSeq:
         return cls(req.request_id, tuple(req.all_token_ids[start:start + n]) + draft, start, tables,
                    SamplingRow.of(req) if sample else None, prompt_logprobs, pool, len(draft), req.lora_id,
-                   draft_prefix, mm_inputs)
+                   draft_prefix, mm_inputs, rope_shift(req.mm_features, start) if req.mm_features else 0)
 
 
 @dataclass(slots=True, frozen=True)

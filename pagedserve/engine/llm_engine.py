@@ -150,6 +150,9 @@ class LLMEngine:
                 raise ParamError("prompt", "prompt: it holds image placeholder tokens and no image was given")
             return ids, ()
         param = "multi_modal_data"
+        if isinstance(data, dict) and "video" in data:
+            raise ParamError(f"{param}.video", f"{param}.video: video inputs are not supported (images only: "
+                                               "{'image': an image or a list of them})")
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ParamError(param, f"{param}: takes {{'image': an image or a list of them}} only")
         images = data.get("image")

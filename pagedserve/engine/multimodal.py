@@ -109,6 +109,7 @@ class ImageInputs:
         from pagedserve.model.idefics3 import Idefics3VisionConfig
         from pagedserve.model.llava_next import LlavaNextVisionConfig
         from pagedserve.model.mmproj import MmprojVisionConfig
+        from pagedserve.model.qwen2_5_vl import QwenVLVisionConfig
         if isinstance(vision_cfg, MmprojVisionConfig):   # llama.cpp's file: no saved processor, no image token
             self.processor, self.token_id = vision_cfg.image_processor(), vision_cfg.image_token(tokenizer)
         else:
@@ -121,6 +122,9 @@ class ImageInputs:
         self.placeholder_id: int = vision_cfg.boi_token_id if self.gemma3 else self.token_id
         self.eoi_id: int | None = vision_cfg.eoi_token_id if self.gemma3 else None
         self.placeholder: str = tokenizer.convert_ids_to_tokens(self.placeholder_id)   # its text in a chat turn
+        self.chat_placeholder = f"{self.placeholder}\n"     # what a chat turn writes per image, before its text
+        # Qwen2.5-VL: a count per size (its processor's grid), each image's token grid on its MMFeature (M-RoPE)
+        self.qwen = vision_cfg if isinstance(vision_cfg, QwenVLVisionConfig) else None
         self.tokenizer = tokenizer
         self._layouts: dict[tuple[int, int], list[int]] = {}   # (rows, cols) -> an image's ids (Idefics3)
         self._newline: dict[int, int] = {}                      # token id -> the newlines it is (Gemma 3)
@@ -130,6 +134,10 @@ class ImageInputs:
             _check_idefics3_processor(path, self.processor, vision_cfg)
         if self.anyres:
             self.anyres.check_processor(path, self.processor)
+        if self.qwen:         # (as Qwen's chat template writes an image part: no newline)
+            self.qwen.check_processor(path, self.processor)
+            self.chat_placeholder = "".join(tokenizer.convert_ids_to_tokens(
+                [vision_cfg.vision_start_token_id, self.token_id, vision_cfg.vision_end_token_id]))
         if self.gemma3:
             _check_gemma3_processor(path, self.processor, vision_cfg)
             from pagedserve.model.gemma3_vision import image_prompt
@@ -156,6 +164,12 @@ class ImageInputs:
             out = self.processor(images=[img], return_tensors="pt")
             size = tuple(out["image_sizes"][0].tolist())
             return [self.token_id] * self.anyres.image_tokens(*size), [AnyresImage(out["pixel_values"][0], size)]
+        if self.qwen:
+            from pagedserve.model.qwen2_5_vl import QwenVLImage, image_tokens
+            out = self.processor(images=[img], return_tensors="pt")
+            grid = tuple(out["image_grid_thw"][0].tolist())
+            rows, cols = image_tokens(grid, self.qwen.spatial_merge_size)
+            return [self.token_id] * (rows * cols), [QwenVLImage(out["pixel_values"], grid)]
         if self.gemma3:             # (every image the same ids: tokenized once, at start)
             return self._gemma3_ids, [self.processor(images=[img], return_tensors="pt")["pixel_values"][0]]
         if not self.split:
@@ -199,10 +213,17 @@ class ImageInputs:
             first = len(out) - len(rep)                 # (a join changes only newline tokens before the image's)
             h = image_hash(img)
             for n, ((k, length), px) in enumerate(zip(_runs(rep, self.token_id), pixels)):   # a feature per run
-                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", first + k, length, px))
+                feats.append(MMFeature(h if len(pixels) == 1 else f"{h}:{n}", first + k, length, px, self._grid(px)))
             prev = i + width
         self._join(out, ids[prev:])
         return out, tuple(feats)
+
+    def _grid(self, px) -> tuple[int, ...]:
+        """An encoder input's token grid where positions are 2D (Qwen2.5-VL's M-RoPE), else ()."""
+        if not self.qwen:
+            return ()
+        from pagedserve.model.qwen2_5_vl import image_tokens
+        return image_tokens(px.grid, self.qwen.spatial_merge_size)
 
     def _join(self, out: list[int], more: list[int]) -> None:
         """out += more; for Gemma 3 the newline tokens meeting at the seam tokenized again as one run, as
@@ -349,5 +370,5 @@ def split_image_parts(contents: list, images: ImageInputs | None) -> tuple[list,
         if len(urls) > images.limit:        # (before any image is decoded, or the next message read)
             raise ParamError("messages", f"messages: more than {images.limit} images in the prompt "
                                          "(--limit-mm-per-prompt)")
-        out.append(f"{images.placeholder}\n" * n + "".join(texts))
+        out.append(images.chat_placeholder * n + "".join(texts))
     return out, urls

@@ -49,6 +49,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True           # renormalise the top-k router weights (Mixtral always, Qwen3-MoE by flag)
     dense_layers: list[int] = field(default_factory=list)  # MoE models' layers with a dense MLP instead
+    mrope_section: tuple[int, ...] | None = None   # Qwen2.5-VL: rotary frequencies per position row (t, h, w)
     vision: object | None = None          # the image encoder's config (model/vision.py, model/idefics3.py; None: text)
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:

@@ -45,7 +45,7 @@ SILU = {"hidden_act": ("silu",)}
 NO_MLP_BIAS = {"mlp_bias": (False,)}
 WINDOW_LAYERS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 # vision-language models (model/vision.py): an image encoder beside a text model of a family here
-VISION_MODEL_TYPES = ("llava", "idefics3", "smolvlm", "llava_next", "gemma3")
+VISION_MODEL_TYPES = ("llava", "idefics3", "smolvlm", "llava_next", "gemma3", "qwen2_5_vl")
 ROUTER_TRAINING = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
 
 
@@ -115,6 +115,17 @@ def _qwen2(hf: dict) -> dict:
     return {"attention_bias": True, "layer_windows": _windows(hf)}
 
 
+def _qwen2_5_vl(hf: dict) -> dict:
+    """Qwen2.5-VL's language model: Qwen2 with M-RoPE (model/qwen2_5_vl.py): the rotary frequencies split
+    into mrope_section parts, each rotated by its own row of a 3-row position."""
+    sections = hf["rope_parameters"].get("mrope_section")
+    half = (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) // 2
+    if not isinstance(sections, list) or len(sections) != 3 or sum(sections) != half:
+        raise UnsupportedModelError(f"qwen2_5_vl_text: rope_parameters.mrope_section {sections!r} is not three parts "
+                                    f"summing to head_dim / 2 = {half}")
+    return _qwen2(hf) | {"mrope_section": tuple(sections)}
+
+
 def _qwen3(hf: dict) -> dict:
     return _llama(hf) | {"qk_norm": True, "layer_windows": _windows(hf)}
 
@@ -174,6 +185,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            inert=frozenset({"pretraining_tp"}), only=SILU | NO_MLP_BIAS),    # (pretraining_tp: unused at inference)
     Family("mistral", ("MistralForCausalLM",), _mistral, reads=frozenset({"sliding_window"}), only=SILU),
     Family("qwen2", ("Qwen2ForCausalLM",), _qwen2, reads=WINDOW_LAYERS, only=SILU),
+    Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), _qwen2_5_vl, reads=WINDOW_LAYERS, only=SILU),
     Family("qwen3", ("Qwen3ForCausalLM",), _qwen3, reads=WINDOW_LAYERS | {"attention_bias"}, only=SILU),
     Family("gemma2", ("Gemma2ForCausalLM",), _gemma, reads=_GEMMA_READS, only=_GEMMA_ONLY),
     Family("gemma3_text", ("Gemma3ForCausalLM",), _gemma3, reads=_GEMMA_READS,
@@ -212,7 +224,7 @@ def family_of(raw: dict) -> Family:
 
 def check_rope(fam: Family, params: dict) -> None:
     for p in ([params] if "sliding_attention" not in params else params.values()):
-        unknown = sorted(set(p) - ROPE_KEYS)
+        unknown = sorted(set(p) - ROPE_KEYS - ({"mrope_section"} if fam.name == "qwen2_5_vl_text" else set()))
         if unknown:
             raise UnsupportedModelError(f"{fam.name}: rope_parameters fields {unknown} are not implemented")
         kind = p.get("rope_type", p.get("type", "default"))

@@ -737,10 +737,13 @@ def _hf_model_config(path: str) -> ModelConfig:
         from pagedserve.model.idefics3 import idefics3_vision_config
         from pagedserve.model.llava_next import llava_next_vision_config
         from pagedserve.model.vision import llava_vision_config
+        from pagedserve.model.qwen2_5_vl import qwen2_5_vl_vision_config
         vision = {"llava": llava_vision_config, "llava_next": llava_next_vision_config,
-                  "gemma3": gemma3_vision_config}.get(
+                  "gemma3": gemma3_vision_config, "qwen2_5_vl": lambda hf: qwen2_5_vl_vision_config(hf, path)}.get(
             hf["model_type"], idefics3_vision_config)(hf)
-        cfg = model_config(hf["text_config"])
+        text = hf["text_config"]           # (Qwen2.5-VL's ties its embeddings at the top level only)
+        cfg = model_config(text if "tie_word_embeddings" in text else
+                           {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", False)})
         cfg.vision = vision
         return cfg
     except UnsupportedModelError as e:

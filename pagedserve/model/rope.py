@@ -54,6 +54,10 @@ class RopeTable:
     once: torch's threaded float32 cos measured up to 1.5e-4 off on half the rows of the first call
     in some processes, which moved logits by 7e-3.
 
+    M-RoPE (Qwen2.5-VL, cfg.mrope_section): positions may come as 3 rows (temporal, height, width),
+    (3, T); frequency i of each half rotates by row r(i), the rows taking mrope_section frequencies in turn
+    (HF's recomposition_frequencies). A 1-D `positions` is all three rows equal: plain RoPE.
+
     longrope (Phi-3): positions below original_max_position_embeddings use the short factors, the
     others the long ones (HF switches the whole forward to the long factors once a sequence is
     longer, re-rotating nothing already cached: the two agree below that length), and cos/sin are
@@ -77,6 +81,10 @@ class RopeTable:
             self.long_from = int(orig)
         else:
             self.inv = rope_inv_freq(cfg, theta, scaling)
+        self.mrope_rows: torch.Tensor | None = None     # M-RoPE: the position row each rotated dim reads
+        if cfg.mrope_section:
+            half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(cfg.mrope_section)])
+            self.mrope_rows = torch.cat((half, half))
         # (dtype, device) -> (cos, sin): a half-precision model's fused decode steps read float32 ones
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -92,7 +100,11 @@ class RopeTable:
         if t is None or n > t[0].shape[0]:
             size = t[0].shape[0] if t is not None else 0
             t = self._tables[key] = self._build(max(n, 1024, 2 * size if n > size else size), dtype, device)
-        return t[0][positions], t[1][positions]
+        if positions.dim() == 1:
+            return t[0][positions], t[1][positions]
+        cos, sin = t[0][positions], t[1][positions]                # (3, T, 1, rot): each row's angles
+        rows = self.mrope_rows.to(cos.device).view(1, 1, 1, -1).expand(1, *cos.shape[1:])
+        return cos.gather(0, rows)[0], sin.gather(0, rows)[0]
 
     def _build(self, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         pos = np.arange(n, dtype=np.float32)[:, None]

@@ -91,6 +91,9 @@ class ModelRunner:
         # Gemma 3: an image's tokens attend to each other both ways in prefill (model/gemma3_vision.py)
         vision_cfg = getattr(getattr(model, "vision", None), "cfg", None)
         self.two_way_images = bool(getattr(vision_cfg, "bidirectional", False))
+        # Qwen2.5-VL: rotary positions past and at images are not the token index (model/qwen2_5_vl.py); a
+        # draft model's runner fed the same records keeps its own (the index)
+        self.mrope = bool(model.cfg.mrope_section)
         self.attention_backend = self._attention_backend(attention_backend)
         self.use_native = self.attention_backend == "native"
         self.use_triton = self.attention_backend == "triton"
@@ -235,6 +238,8 @@ class ModelRunner:
                 m.prefill_key_limits = torch.from_numpy(limits)
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layout.layer_group]
         lora = self.lora.batch(row_loras, sum(lens[:num_dec])) if self.lora is not None else None
+        if self.mrope and any(s.rope_shift or s.mm_inputs for s in seqs):     # past or at an image
+            pos = _mrope_positions(seqs, pos)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos), md, logit_rows, sample_rows,
                 prompt_rows, pool_rows, lora)
 
@@ -407,6 +412,36 @@ def _image_spans(s, row0: int) -> list[tuple[int, int, int]]:
             raise RuntimeError(f"a prefill chunk ends at {hi} inside an image at {f.offset}..{f.end - 1} whose tokens "
                                "attend both ways (the scheduler's EncoderCacheManager.whole keeps them whole)")
         out.append((row0 + lo - s.start, hi - lo, f.end - 1))
+    return out
+
+
+def _mrope_positions(seqs, index: np.ndarray) -> np.ndarray:
+    """The rows' rotary positions under M-RoPE (Qwen2.5-VL) from their token indices (`index`, in seqs'
+    row order): a text token's index plus the shifts of the images before it (ScheduledSeq.rope_shift for
+    those before the chunk, then each image of the chunk's mm_inputs it follows); an image token's
+    three rows (p, p + row, p + col), p the position its image's first token would have as text (HF's
+    get_rope_index). 1-D when the step has no image token (every row equal: decode keeps its fast paths),
+    else (3, T)."""
+    pos, three, row = index.copy(), [], 0
+    for s in seqs:
+        n = s.num_tokens
+        idx, shift = index[row:row + n], s.rope_shift
+        pos[row:row + n] += shift
+        for f in s.mm_inputs:
+            if not f.grid:
+                continue
+            inside = np.flatnonzero((idx >= f.offset) & (idx < f.end))
+            if inside.size:                # its rows (temporal, height, width) from its first position p
+                j, p = idx[inside] - f.offset, f.offset + shift
+                three.append((row + inside, np.stack((np.full_like(j, p), p + j // f.grid[1], p + j % f.grid[1]))))
+            shift += f.rope_shift
+            pos[row:row + n][idx >= f.end] += f.rope_shift
+        row += n
+    if not three:
+        return pos
+    out = np.repeat(pos[None], 3, axis=0)
+    for rows, p in three:
+        out[:, rows] = p
     return out
 
 

@@ -245,3 +245,32 @@ def test_gemma3_over_http_equals_hf(tmp_path):
         enc = engine.core.scheduler.encoder
         assert engine.core.runner.encoder_runs == 2 and enc.misses == 2     # (the second: a prefix hit past both)
         assert idle(engine)
+
+
+def test_qwen2_5_vl_over_http_equals_hf(tmp_path):
+    """Qwen2.5-VL (model/qwen2_5_vl.py) behind the same API: two images of different sizes in one chat message
+    are written as Qwen's template writes image parts (<|vision_start|><|image_pad|><|vision_end|>, no newline),
+    expanded to their grids' token counts, and give HF's greedy text and prompt length with M-RoPE positions
+    past both; the same images again run no encoder."""
+    from pagedserve import EngineArgs, LLMEngine
+    from pagedserve.entrypoints.server import build_app
+    from tests.model.families import qwen_vl_inputs, save_tiny_qwen2_5_vl
+    hf, images, tok = save_tiny_qwen2_5_vl(tmp_path)
+    imgs = [random_image(1), random_image(2, (80, 40))]          # 6 x 5 and 5 x 10 image tokens
+    content = [{"type": "image_url", "image_url": {"url": data_url(imgs[0])}}, {"type": "text", "text": "w9"},
+               {"type": "image_url", "image_url": {"url": data_url(imgs[1])}}]
+    tag = "<|vision_start|><|image_pad|><|vision_end|>"
+    inp = qwen_vl_inputs(images, tok, f"w3 {tag}{tag}w9 w4 w5", imgs)
+    with torch.inference_mode():
+        out = hf.generate(**inp, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    n_prompt = inp["input_ids"].shape[1]
+    want = tok.decode(out[0, n_prompt:].tolist(), skip_special_tokens=True)
+    assert len(want.split()) >= 4, want                # (mostly words, not special tokens dropped from the text)
+    engine = LLMEngine(EngineArgs(str(tmp_path), dtype="float32", num_kv_blocks=160, block_size=4))
+    with serve_in_thread(build_app(engine, served_model_name="m")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for _ in range(2):
+            r = _chat(client, content)
+            assert r.choices[0].message.content == want and r.usage.prompt_tokens == n_prompt
+        assert engine.core.runner.encoder_runs == 2 and engine.core.scheduler.encoder.misses == 2
+        assert idle(engine)

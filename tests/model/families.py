@@ -323,3 +323,56 @@ def save_tiny_gemma3(d, sharpen: float = 4.0):
         size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE}), tokenizer=tok, image_seq_length=16)
     proc.save_pretrained(d)
     return hf, proc
+
+
+QWEN_VL_PATCH = 4      # a tiny Qwen2.5-VL tower: 4 px patches, 2x2 merged: an image token per 8x8 px
+QWEN_VL_WINDOW = 16    # window_size (px): 2x2 merged tokens a window, so a test image has several, some partial
+
+
+def save_tiny_qwen2_5_vl(d, sharpen: float = 3.0):
+    """A seeded random Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: the windowed ViT with
+    2D rotary, full attention in block 1 of 3, the 2x2 patch merger; a Qwen2 text model with M-RoPE,
+    mrope_section [2, 3, 3]) written by transformers with its image processor (the PIL one; min_pixels low enough
+    that small test images keep their size) and the word-level tokenizer plus Qwen's vision tokens. (HF's
+    Qwen2_5_VLProcessor wants its video processor, which needs torchvision: `qwen_vl_inputs` writes what it
+    would.) Returns (model, image processor, tokenizer)."""
+    import transformers
+    tok = tiny_tokenizer(256)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    ids = tok.convert_tokens_to_ids
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=QWEN_VL_PATCH,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=QWEN_VL_WINDOW, out_hidden_size=64,
+                  fullatt_block_indexes=[1])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=ids("<|image_pad|>"),
+                                        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                                        vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(0)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    _sharpen(hf, sharpen)
+    hf.save_pretrained(d)
+    images = transformers.Qwen2VLImageProcessorPil(patch_size=QWEN_VL_PATCH, merge_size=2, temporal_patch_size=2,
+                                                   min_pixels=64, max_pixels=64 * 64)
+    images.save_pretrained(d)
+    tok.save_pretrained(d)
+    return hf, images, tok
+
+
+def qwen_vl_inputs(images_proc, tok, text: str, images: list) -> dict:
+    """What HF's Qwen2_5_VLProcessor gives for `text` and `images` (its replace_image_token): each
+    <|image_pad|> written out grid_t * grid_h * grid_w / merge² times, the ids, pixel_values, image_grid_thw
+    and mm_token_type_ids (1 at image tokens: HF's get_rope_index reads them)."""
+    out = dict(images_proc(images=images, return_tensors="pt")) if images else {}
+    parts = text.split("<|image_pad|>")
+    assert len(parts) == len(images) + 1, "one <|image_pad|> per image"
+    merge = images_proc.merge_size ** 2
+    counts = [int(g.prod()) // merge for g in out["image_grid_thw"]] if images else []
+    text = parts[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, parts[1:]))
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    out.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+               mm_token_type_ids=(ids == tok.convert_tokens_to_ids("<|image_pad|>")).int())
+    return out

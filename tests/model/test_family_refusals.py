@@ -14,11 +14,17 @@ from pagedserve.model.families import FAMILIES, INERT, LLAMA_READS, UnsupportedM
 from pagedserve.model.loader import ModelLoadError, load_model, read_model_config, resolve_model
 from tests.model.families import SMALL, family_specs, save_family
 
-CONFIG_CLASSES = {name: spec[0] for name, spec in family_specs().items()}
+# the language models of vision-language families (no CausalLM class of their own; their reference tests are the
+# family's own: tests/model/test_qwen2_5_vl.py): config class, the fields its defaults need (Qwen2.5-VL ties
+# its embeddings at the top level: the loader hands that down)
+VISION_TEXT = {"qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", {"rope_parameters": {
+    "rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}, "tie_word_embeddings": False})}
+CONFIG_CLASSES = {name: spec[0] for name, spec in family_specs().items()} | {n: c for n, (c, _) in VISION_TEXT.items()}
 
 
 def _default_dict(name: str, **fields) -> dict:
-    return getattr(transformers, CONFIG_CLASSES[name])(**(SMALL | {"vocab_size": 256} | fields)).to_dict()
+    need = VISION_TEXT[name][1] if name in VISION_TEXT else {}
+    return getattr(transformers, CONFIG_CLASSES[name])(**(SMALL | {"vocab_size": 256} | need | fields)).to_dict()
 
 
 def _probe(value):

@@ -190,7 +190,7 @@ def test_bad_input_is_refused_naming_the_field(llava, tmp_path):
         ({"prompt": PROMPT1, "multi_modal_data": {"image": [random_image(1)] * 2}}, "multi_modal_data", "placeholder"),
         ({"prompt": "w5 w6", "multi_modal_data": {"image": random_image(1)}}, "multi_modal_data", "placeholder"),
         ({"prompt": PROMPT1, "multi_modal_data": {"image": b"not an image"}}, "multi_modal_data.image", "PIL"),
-        ({"prompt": PROMPT1, "multi_modal_data": {"video": [1]}}, "multi_modal_data", "'image'"),
+        ({"prompt": PROMPT1, "multi_modal_data": {"video": [1]}}, "multi_modal_data.video", "video inputs are not"),
         ({"prompt": PROMPT1}, "prompt", "no image"),
         ({"prompt": PROMPT1, "multi_modal_data": {"image": random_image(1, (5000, 4000))}}, "multi_modal_data.image",
          "pixels"),

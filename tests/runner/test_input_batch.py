@@ -70,7 +70,7 @@ def model_free_runner(layout: KVLayout, bs: int, rows_as_decode: bool) -> ModelR
     """A ModelRunner with only what its input path reads (prepare needs no model or cache)."""
     r = object.__new__(ModelRunner)
     r.block_size, r.layout, r.lora, r.rows_as_decode = bs, layout, None, rows_as_decode
-    r.use_native = r.native_prefill = r.bf16_dots = r.two_way_images = False
+    r.use_native = r.native_prefill = r.bf16_dots = r.two_way_images = r.mrope = False
     r.use_triton = True                          # the host-side maxima are built too
     r.batch = InputBatch(layout.num_groups, rows=2, width=2)   # small: growth is exercised
     return r
