@@ -9,6 +9,7 @@ another's build. The flags are the builds' own: what is started early is byte fo
 build (the same arithmetic on every start)."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -81,10 +82,18 @@ def build_lock(out: str) -> threading.Lock:
 
 
 def compile_source(cc: str, out: str, flags: list[str], level: str, source: str) -> bool:
-    """The build at `out` (compiled now unless cached); False: the compiler failed (logged)."""
+    """The build at `out` (compiled now unless cached); False: the compiler failed (logged). One process
+    compiles a file at a time: another (the engine's own process beside the CLI's, servers sharing a cache)
+    waits for its build on a lock file rather than compiling it again beside it."""
     if os.path.isfile(out):
         return True
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)         # released when closed, or when its process dies
+        return os.path.isfile(out) or _compile(cc, out, flags, level, source)
+
+
+def _compile(cc: str, out: str, flags: list[str], level: str, source: str) -> bool:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
     t0 = time.perf_counter()
@@ -115,15 +124,16 @@ def prebuild(sources: tuple[str, ...] = ("qmatmul", "paged_attention", "layer_op
     for source in sources:
         out, flags = build_path(level, cc, source)
         lock = build_lock(out)
-        if os.path.isfile(out) or lock.locked():
+        if os.path.isfile(out) or not lock.acquire(blocking=False):    # built, or a build under way
             continue
 
         def compile_one(out=out, flags=flags, source=source, lock=lock):
-            with lock:
-                try:
-                    compile_source(cc, out, flags, level, source)
-                except OSError:
-                    pass                # load() tries again and reports it
+            try:
+                compile_source(cc, out, flags, level, source)
+            except OSError:
+                pass                    # load() tries again and reports it
+            finally:
+                lock.release()
         t = threading.Thread(target=compile_one, name=f"pagedserve-build-{source}", daemon=True)
         t.start()
         threads.append(t)
