@@ -43,7 +43,7 @@ def build_at(rev: str | None, extra: list[str] = ()) -> ctypes.CDLL:
         with open(os.path.join(tmp, name), "wb") as f:
             f.write(src)
     level = kernels.host_levels()[0]
-    cc = kernels._compiler()
+    cc = kernels.compiler()
     _, flags = kernels.build_path(level, cc, "qmatmul")
     out = os.path.join(tmp, "qmatmul.so")
     subprocess.run([cc, *flags, *extra, os.path.join(tmp, "qmatmul.c"), "-o", out, "-lm"], check=True)

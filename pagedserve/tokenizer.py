@@ -3,11 +3,14 @@ the HF folder), and detokenize incrementally so streamed text is right across mu
 characters split over several tokens."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import tempfile
 import threading
 
+from pagedserve import gguf_tokenizer
 from pagedserve.errors import ParamError
 from pagedserve.light_tokenizer import LightTokenizer, light_refusal
 from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
@@ -78,32 +81,62 @@ def load_tokenizer(src: ModelSource, compile_template: bool = False):
 
 def build_tokenizer(src: ModelSource):
     """The model's tokenizer: a LightTokenizer (tokenizers alone, no transformers import) where its files
-    allow, else transformers' behind one lock (SerialTokenizer). A GGUF's vocabulary is converted by
-    transformers once (slow: ~10 s for 49k tokens) and saved to the cache as tokenizer.json (+ its config
-    and chat template), keyed by the file's path, size and mtime and transformers' version; later starts
-    read that with tokenizers (~0.3 s). A saved tokenizer that does not load is converted again; a cache
-    that cannot be written only costs the conversion next time."""
+    allow, else transformers' behind one lock (SerialTokenizer). A GGUF's vocabulary is converted once and
+    saved to the cache as tokenizer.json (+ its config and chat template), keyed by the file's path, size
+    and mtime and by who converted it: a byte-level BPE one by gguf_tokenizer.py (transformers' conversion
+    repeated with tokenizers alone: ~0.5 s for 49k tokens, where transformers takes ~10 s and its import),
+    any other by transformers (its version in the key). Later starts read the saved one with tokenizers
+    (~0.3 s). A saved tokenizer that does not load is converted again; a cache that cannot be written only
+    costs the conversion next time."""
     try:
         if src.kind == "hf":
             return _folder_tokenizer(src.path)
-        cache = cache_dir(src.path, "tokenizers", extra=transformers_version())
-        if os.path.isfile(os.path.join(cache, "tokenizer.json")):
-            try:
-                return LightTokenizer(cache)
-            except Exception as e:     # truncated, garbled: converted again below
-                log.warning("saved tokenizer in %s ignored (%s: %s); converting %s's vocabulary again", cache,
-                            type(e).__name__, str(e)[:200], os.path.basename(src.path))
+        light_cache = cache_dir(src.path, "tokenizers", extra=gguf_tokenizer.FORMAT)
+        hf_cache = cache_dir(src.path, "tokenizers", extra=transformers_version())
+        for cache in (light_cache, hf_cache):
+            tok = _read_saved(cache, src.path)
+            if tok is not None:
+                return tok
+        meta = gguf_tokenizer.read_tokenizer_metadata(src.path)
+        why = gguf_tokenizer.refusal(meta, os.path.dirname(src.path))
+        if why is None:
+            return _light_gguf_tokenizer(meta, light_cache, src.path)
+        log.info("GGUF tokenizer converted by transformers (%s)", why)
         tok = convert_gguf_tokenizer(src.path)
-        if _save(tok, cache):
+        if _save(tok.save_pretrained, hf_cache):
             try:
-                return LightTokenizer(cache)
+                return LightTokenizer(hf_cache)
             except Exception as e:          # noqa: BLE001 -- the converted one serves this start
-                log.warning("saved tokenizer in %s does not load (%s); using the converted one", cache, e)
+                log.warning("saved tokenizer in %s does not load (%s); using the converted one", hf_cache, e)
         return SerialTokenizer(tok)
     except ModelLoadError:
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer for {src.path}: {e}") from e
+
+
+def _read_saved(cache: str, path: str) -> LightTokenizer | None:
+    """The tokenizer saved in `cache`; None when there is none or it does not load (then converted again)."""
+    if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        return None
+    try:
+        return LightTokenizer(cache)
+    except Exception as e:     # truncated, garbled: converted again
+        log.warning("saved tokenizer in %s ignored (%s: %s); converting %s's vocabulary again", cache,
+                    type(e).__name__, str(e)[:200], os.path.basename(path))
+        return None
+
+
+def _light_gguf_tokenizer(meta: dict, cache: str, path: str) -> LightTokenizer:
+    """Built by gguf_tokenizer.py into the cache; into a folder of this process's where the cache cannot
+    be written (removed at exit)."""
+    if _save(lambda folder: gguf_tokenizer.save_tokenizer(meta, folder), cache):
+        return LightTokenizer(cache)
+    folder = tempfile.mkdtemp(prefix="pagedserve-tokenizer-")
+    atexit.register(shutil.rmtree, folder, True)
+    gguf_tokenizer.save_tokenizer(meta, folder)
+    log.info("tokenizer of %s built in %s", os.path.basename(path), folder)
+    return LightTokenizer(folder)
 
 
 def _folder_tokenizer(path: str):
@@ -129,18 +162,19 @@ def transformers_version() -> str:
 
 
 def convert_gguf_tokenizer(path: str):
-    """transformers' own conversion of a GGUF file's vocabulary to a fast tokenizer."""
+    """transformers' own conversion of a GGUF file's vocabulary to a fast tokenizer (for the files
+    gguf_tokenizer.refusal names; the tests' reference for the others)."""
     from pagedserve.model.families import from_transformers
     return from_transformers("AutoTokenizer").from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-def _save(tok, cache: str) -> bool:
-    """Into a folder of its own first, then renamed into place: a reader sees a whole tokenizer or none.
-    Whether it was saved."""
+def _save(save, cache: str) -> bool:
+    """`save(folder)` into a folder of its own first, then renamed into place: a reader sees a whole
+    tokenizer or none. Whether it was saved."""
     tmp = f"{cache}.{os.getpid()}.tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(tmp)
+        save(tmp)
         shutil.rmtree(cache, ignore_errors=True)      # a damaged one
         os.replace(tmp, cache)
         return True

@@ -49,6 +49,14 @@ def tokenizer(default_source):
 
 
 @pytest.fixture(scope="session")
+def converted_default(default_source):
+    """transformers' own conversion of the default GGUF's tokenizer (~10 s): the reference the GGUF tokenizer
+    tests compare with."""
+    from pagedserve.tokenizer import convert_gguf_tokenizer
+    return convert_gguf_tokenizer(default_source.path)
+
+
+@pytest.fixture(scope="session")
 def hf_model(default_source):
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_source.path),

@@ -1,7 +1,8 @@
-"""The GGUF tokenizer converted once (issue 56): transformers' conversion of the default model's vocabulary
-is saved to the cache as tokenizer.json, and the next load (LightTokenizer: tokenizers alone, no conversion) gives
-the same ids, chat template, special tokens and text as the converted tokenizer itself; a damaged saved
-tokenizer is converted again; a cache that cannot be written is a warning."""
+"""The GGUF tokenizer converted once (issue 56): the default model's vocabulary, converted by gguf_tokenizer.py
+(transformers' conversion repeated with tokenizers alone), is saved to the cache as tokenizer.json, and the next
+load (LightTokenizer: tokenizers alone, no conversion) gives the same ids, chat template, special tokens and text
+as transformers' converted tokenizer; a damaged saved tokenizer is converted again; a cache that cannot be
+written is a warning; a file gguf_tokenizer refuses is converted by transformers and saved under its key."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ import os
 
 import pytest
 
+from pagedserve import gguf_tokenizer
 from pagedserve import tokenizer as tok_mod
 from pagedserve.model.loader import cache_dir
 from pagedserve.model.families import from_transformers
@@ -21,27 +23,30 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}]
 
 
-@pytest.fixture(scope="module")
-def converted(default_source):
-    """transformers' conversion of the default GGUF, as a fresh process meets it (~10 s)."""
-    return tok_mod.convert_gguf_tokenizer(default_source.path)
+@pytest.fixture
+def converted(converted_default):
+    """transformers' conversion of the default GGUF, as a fresh process meets it (~10 s; shared)."""
+    return converted_default
 
 
 @pytest.fixture
-def empty_cache(tmp_path, monkeypatch, converted):
+def empty_cache(tmp_path, monkeypatch, default_source):
+    """Each conversion of the default file, counted: gguf_tokenizer's (its path) and transformers' (none
+    expected but where a test asks for it)."""
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     calls = []
+    save = gguf_tokenizer.save_tokenizer
 
-    def convert(path):                  # the module's conversion, counted (and not paid twice)
-        calls.append(path)
-        return converted
-    monkeypatch.setattr(tok_mod, "convert_gguf_tokenizer", convert)
+    def counted(meta, folder):
+        calls.append(default_source.path)
+        return save(meta, folder)
+    monkeypatch.setattr(gguf_tokenizer, "save_tokenizer", counted)
+    monkeypatch.setattr(tok_mod, "convert_gguf_tokenizer", lambda path: pytest.fail("converted by transformers"))
     return calls
 
 
-def _saved(default_source) -> str:
-    return os.path.join(cache_dir(default_source.path, "tokenizers", extra=from_transformers("__version__")),
-                        "tokenizer.json")
+def _saved(default_source, extra: str = gguf_tokenizer.FORMAT) -> str:
+    return os.path.join(cache_dir(default_source.path, "tokenizers", extra=extra), "tokenizer.json")
 
 
 def test_the_saved_tokenizer_gives_the_converted_ones_ids(default_source, converted, empty_cache):
@@ -92,3 +97,21 @@ def test_an_unwritable_cache_is_a_warning(default_source, converted, empty_cache
         tok = build_tokenizer(default_source)
     assert "not saved" in caplog.text
     assert tok("Paris").input_ids == converted("Paris").input_ids
+
+
+def test_a_refused_file_is_converted_by_transformers_and_saved_under_its_key(default_source, converted,
+                                                                              empty_cache, monkeypatch, caplog):
+    calls = []
+
+    def convert(path):
+        calls.append(path)
+        return converted
+    monkeypatch.setattr(gguf_tokenizer, "refusal", lambda meta, folder: "tokenizer.ggml.model 'llama' (for the test)")
+    monkeypatch.setattr(tok_mod, "convert_gguf_tokenizer", convert)
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        tok = build_tokenizer(default_source)
+    assert calls == [default_source.path] and empty_cache == [] and "for the test" in caplog.text
+    assert os.path.isfile(_saved(default_source, from_transformers("__version__")))
+    assert not os.path.isfile(_saved(default_source))
+    assert tok(TEXTS[0]).input_ids == converted(TEXTS[0]).input_ids
+    assert type(build_tokenizer(default_source)).__name__ == "LightTokenizer" and len(calls) == 1   # read back

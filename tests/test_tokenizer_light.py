@@ -232,11 +232,21 @@ sys.exit(code)
 """
 
 
-def test_generate_on_the_default_path_does_not_import_transformers(tokenizer):
-    """`tokenizer` first: the default model's converted tokenizer is in the cache, as after a first start."""
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_generate_on_the_default_path_does_not_import_transformers(tokenizer, tmp_path, cache):
+    """`tokenizer` first: the default model's converted tokenizer is in the cache, as after a first start.
+    cold: an empty cache folder but for the native builds (the start gcc's, no transformers in them): the
+    GGUF's tokenizer is converted without transformers, the weights read and packed again."""
+    from pagedserve.host import cache_root
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if cache == "cold":
+        os.makedirs(os.path.join(cache_root(), "kernels"), exist_ok=True)
+        os.symlink(os.path.join(cache_root(), "kernels"), tmp_path / "kernels")
+        env["PAGEDSERVE_CACHE"] = str(tmp_path)
     r = subprocess.run([sys.executable, "-c", PROBE, "generate", "What is the capital of France?", "--max-tokens", "4"],
                        capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "transformers imported: False" in r.stdout and r.stdout.strip().splitlines()[0]
+    if cache == "cold":
+        assert os.listdir(tmp_path / "tokenizers"), "no tokenizer was converted"

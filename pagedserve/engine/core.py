@@ -37,6 +37,7 @@ from pagedserve.model.llama import FusedDecode
 from pagedserve.model.loader import load_model, read_model_config, read_pooling_config, resolve_model
 from pagedserve.lora_request import LoRARegistry
 from pagedserve.model.quant import choose_quantization, int8_activations, weight_bytes
+from pagedserve.native_build import sources_for
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
@@ -97,25 +98,25 @@ class EngineCore:
     def _build(self, dtype: torch.dtype) -> None:
         """Load this rank's model, plan memory, build the cache manager, the scheduler and the runners."""
         args, tp = self.args, self.executor.tp
+        if self.source.kind == "hf":    # this thread reads config.json through transformers during the load:
+            for name in ("AutoConfig", "AutoTokenizer", "__version__"):     # resolved here first, so the
+                from_transformers(name)  # tokenizer's thread never resolves its lazy module beside this one
+        tokenizer = Background(load_tokenizer, self.source, True)   # beside the builds and the load (issue 56)
+        if args.device == "cpu":        # cold native builds beside each other and the load (issue 56); the CLI
+            kernels.prebuild(sources_for(self.source.kind, args.quantization, args.dtype, tp.size))  # began them
         if args.batch_invariant:
             if self.source.kind != "gguf":
                 raise ValueError(f"batch_invariant needs a GGUF file (its rows take the packed kernels), and "
                                  f"{self.source.path} is an HF folder")
             self.quantization, dense_copy, why = "gguf", False, "--batch-invariant: every product packed, no dense copies"
         else:
-            self.quantization, dense_copy, why = choose_quantization(args.quantization, self.source.kind, args.dtype,
-                                                                     args.device, tp.size)
+            with phase("kernel builds"):    # auto on a GGUF waits for qmatmul's build (a cold start's)
+                self.quantization, dense_copy, why = choose_quantization(args.quantization, self.source.kind,
+                                                                         args.dtype, args.device, tp.size)
         log.info("quantization %s (%s)", self.quantization, why)
         int8_act, why = int8_activations(args.dtype, self.quantization)
         if self.quantization != "none":
             log.info("packed products: %s activations (%s)", "int8-rounded" if int8_act else "float", why)
-        if self.source.kind == "hf":    # this thread reads config.json through transformers during the load:
-            for name in ("AutoConfig", "AutoTokenizer", "__version__"):     # resolved here first, so the
-                from_transformers(name)  # tokenizer's thread never resolves its lazy module beside this one
-        tokenizer = Background(load_tokenizer, self.source, True)   # beside the model load (issue 56)
-        if args.device == "cpu":        # cold native builds compile beside each other and the load (issue 56)
-            kernels.prebuild(("qmatmul", "paged_attention", "layer_ops") if self.quantization != "none" else
-                             ("paged_attention", "layer_ops"))
         self.model, self.model_config = load_model(self.source, dtype, args.device, self.quantization, tp, int8_act,
                                                    dense_copy, args.max_num_batched_tokens if args.batch_invariant
                                                    else args.packed_rows)

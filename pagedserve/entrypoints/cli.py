@@ -52,10 +52,30 @@ def runs_as_worker(ns) -> bool:
     return True
 
 
+def start_kernel_builds(args: EngineArgs) -> None:
+    """A cold start's native builds, started before the imports (issue 56: gcc's seconds then run beside
+    torch's import and the model read instead of after them); the engine starts any it predicts otherwise.
+    The model's kind is told from its path here (no torch): a Hub id not yet downloaded is left to the
+    engine."""
+    if args.device != "cpu":
+        return
+    path = args.model and os.path.expanduser(args.model)
+    if path is None or (os.path.isfile(path) and path.endswith(".gguf")):
+        kind = "gguf"
+    elif path and os.path.isdir(path):
+        kind = "hf" if os.path.isfile(os.path.join(path, "config.json")) else "gguf"
+    else:
+        return
+    from pagedserve.native_build import prebuild, sources_for
+    prebuild(sources_for(kind, args.quantization, args.dtype, args.tensor_parallel_size))
+
+
 def cmd_generate(ns) -> int:
+    args = EngineArgs.from_cli_args(ns)
+    start_kernel_builds(args)
     from pagedserve.engine.llm_engine import LLMEngine
     ns.startup.mark("imports")
-    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
+    eng = LLMEngine(args, startup=ns.startup)
     try:
         params = sampling_from(ns)
         prompt = ns.prompt
@@ -82,9 +102,11 @@ def _stream(eng, prompt, params) -> str:
 
 
 def cmd_chat(ns) -> int:
+    args = EngineArgs.from_cli_args(ns)
+    start_kernel_builds(args)
     from pagedserve.engine.llm_engine import LLMEngine
     ns.startup.mark("imports")
-    eng = LLMEngine(EngineArgs.from_cli_args(ns), startup=ns.startup)
+    eng = LLMEngine(args, startup=ns.startup)
     try:
         return _chat(eng, ns)
     finally:
@@ -153,6 +175,7 @@ def cmd_serve(ns) -> int:
         return _port_busy(ns, e.strerror or str(e))
     ns.startup.current = "imports"
     front.start()
+    start_kernel_builds(args)
     try:
         from pagedserve.entrypoints.server import run_server
     except BaseException:

@@ -6,77 +6,26 @@ qmatmul.c: products with quantized weights (GGUF blocks, per-channel int8), see 
 layer_ops.c: a float32 decoder layer's work between its products (RMSNorm with the residual add, RoPE with
 the K/V write, SiLU x up), one call each.
 Each source is compiled per ISA level the host runs (avx512 = x86-64-v4, avx2 = x86-64-v3, generic);
-the best one is loaded.
-A build is cached under a key made of the source, the compiler, the flags, the level and the
-host's CPU flags, so a cache directory shared between different hosts never hands one host
-another's build. Without a compiler (or with PAGEDSERVE_ATTENTION=torch) the torch paths in
-pagedserve.model.attention are used instead; tests run every level the host supports against them."""
+the best one is loaded. The builds and their cache key are pagedserve.native_build's (no torch there: the
+CLI starts a cold start's builds before its imports). Without a compiler (or with
+PAGEDSERVE_ATTENTION=torch) the torch paths in pagedserve.model.attention are used instead; tests run every
+level the host supports against them."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-from pagedserve.host import cache_root, cpu_info
+from pagedserve.native_build import (LEVELS, SOURCES, build_lock, build_path, compile_source,  # noqa: F401
+                                     compiler, cpu_flags, host_levels, prebuild)    # (LEVELS.. prebuild: re-exported)
 
 log = logging.getLogger("pagedserve")
-SOURCES = ("paged_attention", "qmatmul", "layer_ops")
-
-# ISA level -> (CPU flags it needs, compiler flags); best first. The -vnni levels add the int8 dot-product
-# instruction (vpdpbusd) that qmatmul_q8 uses; everything else in them is the level below.
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma")
-_AVX2 = ("avx2", "fma", "f16c", "bmi2")
-LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512-vnni": ((*_AVX512, "avx512_vnni"), ("-march=x86-64-v4", "-mavx512vnni")),
-    "avx512": (_AVX512, ("-march=x86-64-v4",)),
-    "avx2-vnni": ((*_AVX2, "avx_vnni"), ("-march=x86-64-v3", "-mavxvnni")),
-    "avx2": (_AVX2, ("-march=x86-64-v3",)),
-    "generic": ((), ("-march=x86-64",) if platform.machine() in ("x86_64", "AMD64") else ()),
-}
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 KV_BF16_DOT = 3      # a bf16 cache whose prefill attention multiplies in bf16 (bf16_dots)
 _libs: dict[tuple[str, str], ctypes.CDLL | None] = {}     # (source, level) -> library
 _default: str | None = None          # the level load() gives when none is named (resolved once)
-_build_locks: dict[str, threading.Lock] = {}      # build path -> held while it compiles (prebuild, load)
-_locks_lock = threading.Lock()
-
-
-def cpu_flags() -> frozenset[str]:
-    return cpu_info()[1]
-
-
-def host_levels() -> list[str]:
-    """The ISA levels this host runs, best first."""
-    have = cpu_flags()
-    return [name for name, (need, _) in LEVELS.items() if all(f in have for f in need)]
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-
-
-def build_path(level: str, cc: str, source: str = "paged_attention") -> tuple[str, list[str]]:
-    """Where the build for `level` is cached, and its compiler flags. The key covers the source (with
-    vec16.h), the compiler's version, the flags, the level and this host's CPU flags (-mtune=native
-    differs by host)."""
-    flags = ["-O3", *LEVELS[level][1], "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
-             "-Wno-psabi"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    host = " ".join(sorted(cpu_flags()))
-    text = b""
-    for name in (source + ".c", "vec16.h"):        # the source and the header every source includes
-        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
-            text += f.read()
-    key = hashlib.sha256(text + "|".join([version, *flags, level, host]).encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), "kernels", f"{source}-{level}-{key}.so"), flags
 
 
 def _declare(lib: ctypes.CDLL, source: str) -> None:
@@ -107,74 +56,20 @@ def _declare(lib: ctypes.CDLL, source: str) -> None:
 
 
 def _build(level: str, source: str) -> ctypes.CDLL | None:
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler found: %s uses the (slower) torch path", source)
         return None
     out, flags = build_path(level, cc, source)
-    with _build_lock(out):              # a build started by prebuild: wait for it rather than build twice
-        return _compile_and_load(cc, out, flags, level, source)
-
-
-def _build_lock(out: str) -> threading.Lock:
-    with _locks_lock:
-        return _build_locks.setdefault(out, threading.Lock())
-
-
-def _compile(cc: str, out: str, flags: list[str], level: str, source: str) -> bool:
-    """The build at `out` (compiled now unless cached); False: the compiler failed (logged)."""
-    if os.path.isfile(out):
-        return True
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
-    os.close(fd)
-    src = os.path.join(os.path.dirname(__file__), source + ".c")
-    r = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
-    if r.returncode != 0:
-        log.warning("building the %s %s kernels failed, using the torch path:\n%s", level, source, r.stderr[-2000:])
-        os.unlink(tmp)
-        return False
-    os.replace(tmp, out)
-    return True
-
-
-def _compile_and_load(cc: str, out: str, flags: list[str], level: str, source: str) -> ctypes.CDLL | None:
-    if not _compile(cc, out, flags, level, source):
-        return None
+    with build_lock(out):              # a build started by prebuild: wait for it rather than build twice
+        if not compile_source(cc, out, flags, level, source):
+            return None
     # -fopenmp links libgomp.so.1, which torch has already loaded: the kernels share torch's OpenMP pool
     # (and its wait policy, read when torch was imported; setting OMP_WAIT_POLICY here would only reach
     # child processes: PASSIVE made a one-row step 1.45x slower on 2 cores)
     lib = ctypes.CDLL(out)
     _declare(lib, source)
     return lib
-
-
-def prebuild(sources: tuple[str, ...] = ("qmatmul", "paged_attention", "layer_ops")) -> list[threading.Thread]:
-    """Compile the host level's builds of `sources` that are not cached yet, each on a daemon thread of its
-    own, from now (the compiler runs outside the GIL: cold builds run beside each other and beside the
-    model load, issue 56); nothing to do when all are cached. load() of a source whose build is under way
-    waits for it. The compiled file is the one load() would build: the same flags, the same key."""
-    cc = _compiler()
-    if cc is None or os.environ.get("PAGEDSERVE_KERNEL_ISA"):
-        return []
-    level = _default or host_levels()[0]
-    threads = []
-    for source in sources:
-        out, flags = build_path(level, cc, source)
-        if os.path.isfile(out):
-            continue
-        lock = _build_lock(out)
-
-        def compile_one(out=out, flags=flags, source=source, lock=lock):
-            with lock:
-                try:
-                    _compile(cc, out, flags, level, source)
-                except OSError:
-                    pass                # load() tries again and reports it
-        t = threading.Thread(target=compile_one, name=f"pagedserve-build-{source}", daemon=True)
-        t.start()
-        threads.append(t)
-    return threads
 
 
 def load(level: str | None = None, source: str = "paged_attention") -> ctypes.CDLL | None:

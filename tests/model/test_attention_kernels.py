@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve import kernels
+from pagedserve import kernels, native_build
 from pagedserve.model.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 
 LEVELS = kernels.host_levels()
@@ -266,20 +266,20 @@ def test_int8_write_is_per_token_and_head():
 def test_every_build_is_keyed_by_the_host(monkeypatch):
     """Each level's build is its own file, and its cache key changes with the host's CPU flags."""
     import os
-    cc = kernels._compiler()
+    cc = kernels.compiler()
     for level in LEVELS:
         lib = kernels.load(level)
         assert os.path.basename(lib._name).startswith(f"paged_attention-{level}-")
         assert lib.paged_attention_isa().decode() == level
         assert kernels.build_path(level, cc)[0] == lib._name
     here = kernels.build_path("generic", cc)[0]
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
     assert kernels.build_path("generic", cc)[0] != here
 
 
 def test_a_level_the_cpu_cannot_run_is_refused(monkeypatch):
     """Forcing AVX-512 code onto an AVX2 host would die with SIGILL; it is a ValueError naming the knob."""
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c", "bmi2"}))
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c", "bmi2"}))
     assert kernels.host_levels() == ["avx2", "generic"]
     with pytest.raises(ValueError, match="PAGEDSERVE_KERNEL_ISA"):
         kernels.load("avx512")
