@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+	# the native kernels for this host, as a wheel's compiled extension is built at install (keyed: a no-op
+	# when built; a host of other flags builds its own into the cache at first use)
+	$(PY) -m pagedserve.native_build --install
 
 serve: setup
 	$(VENV)/bin/pagedserve serve

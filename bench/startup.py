@@ -3,7 +3,10 @@
 with the process's peak and idle RSS and the engine's own phase breakdown (its "ready in" line).
 
   cold: every run with an empty cache folder of its own (PAGEDSERVE_CACHE: the converted tokenizer, the
-        native kernel builds, dequantized weights, calibrations: everything pagedserve keeps on disk)
+        dequantized and packed weights, calibrations: everything pagedserve keeps on disk); the native
+        kernels are make setup's installed builds (pagedserve/native_build.py), as a wheel's compiled
+        extension is there at first start; --cold-kernels ignores them (a host the install did not see:
+        gcc builds them into the empty cache)
   warm: one shared cache folder, filled by an untimed run first
 
 The OS page cache is not dropped (that needs root and slows every other process on the host): "cold" is a
@@ -11,6 +14,7 @@ cold pagedserve cache, the model file itself may be in memory. --llama-server PA
 the same GGUF file (time to its /health 200, its RSS).
 
   python bench/startup.py [--model PATH] [--runs 3] [--llama-server PATH] [--skip cold] [--json out.json]
+                          [--cold-kernels]
 """
 from __future__ import annotations
 
@@ -110,6 +114,8 @@ def main() -> int:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: timed on the same file")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", default=None, help="write every run's numbers here")
+    ap.add_argument("--cold-kernels", action="store_true",
+                    help="ignore make setup's installed kernel builds (PAGEDSERVE_INSTALLED_KERNELS=0)")
     ap.add_argument("--claims", action="store_true", help="update BENCHMARKS.md's start-up row (bench/claims.py)")
     ns = ap.parse_args()
     model = ns.model
@@ -118,6 +124,8 @@ def main() -> int:
         from pagedserve.model.loader import default_model_path
         model = default_model_path()
     base_env = os.environ | {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if ns.cold_kernels:
+        base_env["PAGEDSERVE_INSTALLED_KERNELS"] = "0"
     serve_cmd = lambda port: [ns.python, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port),  # noqa: E731
                               "--log-level", "info"]
     gen_cmd = [ns.python, "-c", GEN_WRAPPER, "generate", model, PROMPT, "--log-level", "info"]

@@ -6,7 +6,14 @@ loads what is built here.
 A build is cached under a key made of the source (with vec16.h), the compiler's version, the flags, the ISA
 level and the host's CPU flags, so a cache directory shared between different hosts never hands one host
 another's build. The flags are the builds' own: what is started early is byte for byte what a load would
-build (the same arithmetic on every start)."""
+build (the same arithmetic on every start).
+
+Installed builds: `python -m pagedserve.native_build --install` (run by `make setup`, as a wheel's compiled
+extension is built at install) compiles the host's best level into pagedserve/kernels/build/, under the
+same names; a build found there is used before the cache's, so the first start after the install compiles
+nothing. A host the install did not see (other flags, another compiler) finds no file of its key there and
+builds into the cache as before; PAGEDSERVE_INSTALLED_KERNELS=0 ignores the installed builds (a start as
+on such a host: bench/startup.py --cold-kernels)."""
 from __future__ import annotations
 
 import fcntl
@@ -26,6 +33,7 @@ from pagedserve.host import cache_root, cpu_info
 log = logging.getLogger("pagedserve")
 SOURCES = ("paged_attention", "qmatmul", "layer_ops")
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+INSTALLED_DIR = os.path.join(KERNELS_DIR, "build")
 
 # ISA level -> (CPU flags it needs, compiler flags); best first. The -vnni levels add the int8 dot-product
 # instruction (vpdpbusd) that qmatmul_q8 uses; everything else in them is the level below.
@@ -62,9 +70,16 @@ def _compiler_version(cc: str) -> str:
 
 
 def build_path(level: str, cc: str, source: str = "paged_attention") -> tuple[str, list[str]]:
-    """Where the build for `level` is cached, and its compiler flags. The key covers the source (with
-    vec16.h), the compiler's version, the flags, the level and this host's CPU flags (-mtune=native
-    differs by host)."""
+    """Where the build for `level` is (installed, else cached), and its compiler flags. The key covers the
+    source (with vec16.h), the compiler's version, the flags, the level and this host's CPU flags
+    (-mtune=native differs by host)."""
+    out, flags = _cached_path(level, cc, source)
+    installed = os.path.join(INSTALLED_DIR, os.path.basename(out))
+    use = os.environ.get("PAGEDSERVE_INSTALLED_KERNELS", "1") != "0" and os.path.isfile(installed)
+    return (installed if use else out), flags
+
+
+def _cached_path(level: str, cc: str, source: str) -> tuple[str, list[str]]:
     flags = ["-O3", *LEVELS[level][1], "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
              "-Wno-psabi"]
     host = " ".join(sorted(cpu_flags()))
@@ -147,3 +162,32 @@ def sources_for(model_kind: str, quantization: str, dtype: str, tp_size: int) ->
     dense = quantization == "none" or (quantization == "auto" and (model_kind != "gguf" or dtype == "float32"
                                                                    or tp_size > 1))
     return ("paged_attention", "layer_ops") if dense else ("qmatmul", "paged_attention", "layer_ops")
+
+
+def install() -> list[str]:
+    """Build every source for the host's best level into INSTALLED_DIR (what `make setup` runs); builds of
+    older sources or other hosts found there are removed. Returns the installed paths."""
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler: the native kernels cannot be installed (the torch path runs)")
+        return []
+    level, paths = host_levels()[0], []
+    for source in SOURCES:
+        out, flags = _cached_path(level, cc, source)
+        out = os.path.join(INSTALLED_DIR, os.path.basename(out))
+        if compile_source(cc, out, flags, level, source):
+            paths.append(out)
+    for name in os.listdir(INSTALLED_DIR) if os.path.isdir(INSTALLED_DIR) else []:
+        path = os.path.join(INSTALLED_DIR, name)
+        if path not in paths:           # older sources' or other hosts' builds, and the build locks
+            os.unlink(path)
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if sys.argv[1:] != ["--install"]:
+        raise SystemExit("usage: python -m pagedserve.native_build --install")
+    for p in install():
+        print(p)
