@@ -168,6 +168,10 @@ async def plain_one(client, path, p) -> dict:
     return {"outcome": check_tokens(p, reasons, j["usage"]["completion_tokens"]), "tokens": j["usage"]["completion_tokens"]}
 
 
+# the error types the server gives failures of its own (a 5xx before a stream starts; in a stream, the error event)
+SERVER_ERROR_TYPES = {"engine_dead", "server_error", "server_overloaded", "server_shutting_down"}
+
+
 async def stream_one(client, path, p) -> dict:
     reasons: dict[int, str] = {}
     usage, chunks = None, 0
@@ -180,8 +184,9 @@ async def stream_one(client, path, p) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
-            if "error" in obj:
-                return {"outcome": "5xx" if obj["error"]["code"] >= 500 else "4xx", "detail": str(obj["error"])}
+            if "error" in obj:      # (its code is OpenAI's string or null, not a status: the type tells)
+                server = obj["error"].get("type") in SERVER_ERROR_TYPES
+                return {"outcome": "5xx" if server else "4xx", "detail": str(obj["error"])}
             chunks += 1
             if p["action"] == "disconnect" and chunks >= p["after_chunks"]:
                 return {"outcome": "client_cut"}

@@ -10,6 +10,7 @@ float32 dense weights:
 import re
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.conftest import CHAT_PROMPTS
@@ -82,14 +83,28 @@ def test_chosen_path_is_logged(caplog):
 
 
 def test_default_flags_keep_the_file_packed_beside_a_dense_copy(caplog):
-    """--quantization auto (the default) on the bundled Q4_1 file: packed blocks for few-row steps and a
-    dense copy for many-row ones, logged with the reason; --dtype float32 stays dense (the exact path)."""
+    """--quantization auto (the default) on the bundled Q4_1 file: packed blocks for few-row steps and, in
+    bf16, a dense copy for many-row ones, logged with the reason; --dtype float32 stays dense (the exact path).
+    A host without bf16 arithmetic (AVX2 only) computes in float32 by default, where the 135M model's copies
+    (~0.5 GiB) are over dense_copy_plan's size rule: packed, no copies, and the plan says why."""
+    from pagedserve.host import auto_dtype
+    from pagedserve.model.quant import dense_copy_plan
     with caplog.at_level("INFO", logger="pagedserve"):
         eng = LLM(num_kv_blocks=64).engine
     assert eng.core.quantization == "gguf" and "quantization gguf (auto: the GGUF file's blocks packed" in caplog.text
-    assert eng.core.model.weights_desc.endswith("+ dense copies")      # (the load itself may be cached: no log line)
     packed = _packed(eng)
-    assert packed and all(w.dense is not None and w.int8_act for w in packed)
+    assert packed and all(w.int8_act for w in packed)
+    if auto_dtype("cpu")[0] == "bfloat16":
+        assert eng.core.model.weights_desc.endswith("+ dense copies")      # (the load may be cached: no log line)
+        assert all(w.dense is not None for w in packed)
+    else:
+        assert not eng.core.model.weights_desc.endswith("+ dense copies")
+        assert not any(w.dense is not None for w in packed)
+        assert "above the 512 MiB a model gets them at" in dense_copy_plan(eng.core.model, torch.float32)[1]
+    caplog.clear()
+    eng = LLM(num_kv_blocks=64, dtype="bfloat16").engine        # every host: bf16 asked for, copies made
+    assert eng.core.model.weights_desc.endswith("+ dense copies")
+    assert all(w.dense is not None and w.dense.dtype == torch.bfloat16 and w.int8_act for w in _packed(eng))
     caplog.clear()
     with caplog.at_level("INFO", logger="pagedserve"):
         eng = LLM(num_kv_blocks=64, dtype="float32").engine

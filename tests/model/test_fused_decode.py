@@ -14,6 +14,14 @@ PROMPTS = (20, 33, 47)        # three sequences; block size 16, so decodes cross
 DECODES = 6
 
 
+@pytest.fixture(autouse=True)
+def native_prefill(monkeypatch):
+    """The native prefill kernel on every host: AVX2 ones give prompt rows to SDPA by default
+    (kernels.native_prefill_pays), and the fused call takes prompt chunks only where the native kernel is the
+    layer path's; here both paths run it, so the prefill chunks' fused steps are checked on every host."""
+    monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", "native")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """The families' random Llama (tests/model/families.py): biases on q/k/v and o that the products add,
