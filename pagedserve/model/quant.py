@@ -525,7 +525,13 @@ PACKED_ROWS = {
     ("vnni512", True): (32, 1),     # Intel with AMX: the dense copy's bf16 GEMM wins from ~32 rows (head: ~2)
     ("vnni512", False): (128, 16),  # AMD Zen 4 (AVX512-VNNI/BF16): packed level with dense to ~256 (SmolLM2)
     ("avxvnni", False): (64, 8),
-    ("avx2", False): (64, 8),       # the dense side is float32 there (no bf16 GEMM): packed wins longer
+    # AVX2 without VNNI (the kernels' ISA name, qmatmul_q8_isa: "maddubs"; keyed "avx2" until stop 63, a name no
+    # kernel reports, so these hosts fell to PACKED_ROWS_OTHER). The dense side is float32 there (no bf16 GEMM),
+    # a whole weight dequantized per call: packed wins long. Measured (AMD EPYC AVX2, 2026-12-07, Qwen2.5-Coder-0.5B
+    # Q4_K_M, ms packed / dequantized + GEMM, layer 0's products and the head timed alone as bench/packed_rows.py does): gate_up Q5_0 at 64 rows
+    # 8.1 / 27.8, at 128 16.7 / 36.3, at 256 33.4 / 53.9; down Q6_K 128 rows 8.9 / 10.9, 256 23.3 / 20.7; the LM head
+    # (Q8_0, 152k x 896) at 16 rows 39.6 / 362, at 64 179 / 374.
+    ("maddubs", False): (128, 64),
 }
 PACKED_ROWS_OTHER = (8, 1)          # scalar kernels, or an ISA not in the table
 PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with packed weights): FMA kernels
@@ -538,7 +544,7 @@ PACKED_ROWS_FLOAT = (16, 8)         # float activations (--dtype float32 with pa
 # 252 / 191 / 199, Q6_K down 147 / 122 / 90, the 0.5B's Q8_0 gate_up 69 / 53 / 48: packed loses by 256 rows on the
 # K-quants, so the dense side takes over where it does with a copy (PACKED_ROWS); the head's row count is the
 # layers' (its copy's 16 rows were a crossover against a copy, not against a dequantization of the whole head).
-UNCOPIED_ROWS = {("vnni512", True): 32, ("vnni512", False): 128, ("avxvnni", False): 64, ("avx2", False): 64}
+UNCOPIED_ROWS = {("vnni512", True): 32, ("vnni512", False): 128, ("avxvnni", False): 64, ("maddubs", False): 128}
 UNCOPIED_ROWS_OTHER = 16
 
 

@@ -49,6 +49,16 @@ def hf_greedy(hf_model, ids: list[int], n: int):
     return toks, lps
 
 
+def hf_greedy_inputs(hf_model, inputs, n: int):
+    """HF's greedy continuation of a processor's inputs (images included; EOS ignored): its tokens, per-step
+    log-probabilities, and the prompt ids the processor built."""
+    with torch.inference_mode():
+        out = hf_model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                output_logits=True, return_dict_in_generate=True)
+    ids = inputs["input_ids"][0].tolist()
+    return out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits], ids
+
+
 def assert_greedy_match(ours: list[int], ref: list[int], ref_logprobs, tol: float = 1e-3) -> None:
     """Token-for-token equality; a mismatch is accepted only as a numerical near-tie: at the first
     differing position both tokens' reference logprobs must differ by less than `tol` (vLLM's

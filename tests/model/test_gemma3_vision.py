@@ -16,6 +16,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from tests.model.families import random_image, save_tiny_gemma3
 from tests.model.helpers import assert_greedy_match, assert_idle
+from tests.model.helpers import hf_greedy_inputs
 
 PROMPT1 = "w5 <start_of_image> w7 w8 w9"
 PROMPT2 = "w5 <start_of_image> w7 <start_of_image> w9 w10"
@@ -44,12 +45,7 @@ def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8):
     if key not in _REFS:
         _, hf, proc = model
         inp = proc(text=text, images=[image(s) for s in seeds], return_tensors="pt")
-        with torch.inference_mode():
-            out = hf.generate(**inp, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
-        ids = inp["input_ids"][0].tolist()
-        _REFS[key] = (out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits],
-                      ids)
+        _REFS[key] = hf_greedy_inputs(hf, inp, n)
     return _REFS[key]
 
 

@@ -18,6 +18,7 @@ from pagedserve.errors import ParamError
 from pagedserve.model.llava_next import AnyresImage
 from tests.model.families import random_image, save_tiny_llava_next
 from tests.model.helpers import assert_greedy_match
+from tests.model.helpers import hf_greedy_inputs
 from tests.model.helpers import assert_idle as _idle
 
 PROMPT1 = "w5 <image> w7 w8 w9"
@@ -60,12 +61,7 @@ def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8):
     if key not in _REFS:
         _, hf, proc = model
         inp = proc(text=text, images=[image(s) for s in seeds], return_tensors="pt")
-        with torch.inference_mode():
-            out = hf.generate(**inp, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
-        ids = inp["input_ids"][0].tolist()
-        _REFS[key] = (out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits],
-                      ids)
+        _REFS[key] = hf_greedy_inputs(hf, inp, n)
     return _REFS[key]
 
 

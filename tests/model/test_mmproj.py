@@ -14,6 +14,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from tests.model.families import random_image, save_tiny_llava, write_gguf
 from tests.model.helpers import assert_greedy_match
+from tests.model.helpers import hf_greedy_inputs
 from tests.model.helpers import assert_idle as _idle
 
 PROMPT2 = "w5 <image> w7 <image> w9 w10"
@@ -106,12 +107,7 @@ def _files(tmp_path, f16: bool, legacy: bool = True, feature_layer: bool = True,
 def test_mmproj_beside_a_text_gguf_equals_hf(tmp_path, f16, legacy, feature_layer):
     text, mm, hf, proc = _files(tmp_path, f16, legacy, feature_layer)
     imgs = [random_image(1), random_image(2)]
-    inp = proc(text=PROMPT2, images=imgs, return_tensors="pt")
-    with torch.inference_mode():
-        out = hf.generate(**inp, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    ids = inp["input_ids"][0].tolist()
-    ref, lps = out.sequences[0, len(ids):].tolist(), [torch.log_softmax(x[0].float(), -1) for x in out.logits]
+    ref, lps, ids = hf_greedy_inputs(hf, proc(text=PROMPT2, images=imgs, return_tensors="pt"), 8)
     llm = LLM(text, mmproj=mm, dtype="float32", quantization="none", num_kv_blocks=128, block_size=4)
     # (the test vocabulary's BPE has no merges, so a prompt goes in as HF's ids, one placeholder per image)
     prompt = proc.tokenizer(PROMPT2)["input_ids"]

@@ -106,6 +106,21 @@ def test_packed_rows_come_from_the_host_kind_not_a_timing(monkeypatch):
         assert all(r >= 1 and h >= 1 for r, h in flags)
 
 
+def test_every_isa_the_int8_kernels_report_has_its_rows():
+    """The row tables are keyed by the name qmatmul_q8_isa returns: every name qmatmul.c can report (its
+    Q8_DOT_ISA defines) but the scalar fallback has a row of its own, so no vector host falls to the scalar
+    rows (AVX2 hosts' name is "maddubs"; the table said "avx2" until stop 63, and AVX2 hosts ran 8 packed
+    decode rows, 1 for the LM head: a whole 152k-row head dequantized per step of 2 rows or more)."""
+    import os
+    import re
+    src = open(os.path.join(os.path.dirname(quant.__file__), "..", "kernels", "qmatmul.c")).read()
+    names = set(re.findall(r'#define Q8_DOT_ISA "(\w+)"', src))
+    assert {"vnni512", "avxvnni", "maddubs", "scalar"} <= names, names
+    for isa in names - {"scalar"}:
+        assert (isa, False) in quant.PACKED_ROWS and (isa, False) in quant.UNCOPIED_ROWS, isa
+    assert {k[0] for k in quant.PACKED_ROWS} | {k[0] for k in quant.UNCOPIED_ROWS} <= names
+
+
 @pytest.mark.parametrize("fmt", [*GGUF_FORMATS, "I8"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 11])
 def test_int8_activation_kernel_is_the_q8_rounded_product(level, fmt, m):

@@ -20,6 +20,7 @@ from pagedserve.errors import ParamError
 from pagedserve.model.qwen2_5_vl import QwenVLImage
 from tests.model.families import qwen_vl_inputs, random_image, save_tiny_qwen2_5_vl
 from tests.model.helpers import assert_greedy_match, assert_idle
+from tests.model.helpers import hf_greedy_inputs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT1 = f"w5 {IMG} w7 w8 w9"
@@ -50,12 +51,7 @@ def hf_ref(model, text: str, seeds: tuple[int, ...], n: int = 8, sizes=None):
     if key not in _REFS:
         _, hf, proc, tok = model
         inp = qwen_vl_inputs(proc, tok, text, [image(s, sz) for s, sz in zip(seeds, sizes or [None] * len(seeds))])
-        with torch.inference_mode():
-            out = hf.generate(**inp, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
-        ids = inp["input_ids"][0].tolist()
-        _REFS[key] = (out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits],
-                      ids)
+        _REFS[key] = hf_greedy_inputs(hf, inp, n)
     return _REFS[key]
 
 

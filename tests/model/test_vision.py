@@ -13,6 +13,7 @@ from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.errors import ParamError
 from tests.model.families import random_image, save_tiny_llava, tiny_tokenizer
 from tests.model.helpers import assert_greedy_match, save_random_llama
+from tests.model.helpers import hf_greedy_inputs
 from tests.model.helpers import assert_idle as _idle
 
 PROMPT1 = "w5 <image> w7 w8 w9"
@@ -29,12 +30,7 @@ def llava(tmp_path_factory):
 
 def hf_greedy(hf, proc, text: str, images, n: int = 8):
     """HF's greedy continuation (EOS ignored), its per-step logprobs, and the prompt ids its processor built."""
-    inp = proc(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = hf.generate(**inp, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    ids = inp["input_ids"][0].tolist()
-    return out.sequences[0, len(ids):].tolist(), [torch.log_softmax(l[0].float(), -1) for l in out.logits], ids
+    return hf_greedy_inputs(hf, proc(text=text, images=images, return_tensors="pt"), n)
 
 
 _REFS: dict = {}
