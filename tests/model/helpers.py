@@ -49,6 +49,19 @@ def hf_greedy(hf_model, ids: list[int], n: int):
     return toks, lps
 
 
+def edited_copy(path: str, tmp_path, name: str, edit: dict) -> str:
+    """A copy of the model folder `path` at tmp_path / name whose JSON files are changed: {file: change(cfg)}."""
+    import json
+    import shutil
+    d = tmp_path / name
+    shutil.copytree(path, d)
+    for f, change in edit.items():
+        cfg = json.loads((d / f).read_text())
+        change(cfg)
+        (d / f).write_text(json.dumps(cfg))
+    return str(d)
+
+
 def hf_greedy_inputs(hf_model, inputs, n: int):
     """HF's greedy continuation of a processor's inputs (images included; EOS ignored): its tokens, per-step
     log-probabilities, and the prompt ids the processor built."""

@@ -7,8 +7,6 @@ included; the same image in two requests shares its blocks (a hit ending inside 
 the encoder once; a config or processor we do not compute is refused naming the field."""
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from tests.model.families import random_image, save_tiny_gemma3
 from tests.model.helpers import assert_greedy_match, assert_idle
+from tests.model.helpers import edited_copy as _edited
 from tests.model.helpers import hf_greedy_inputs
 
 PROMPT1 = "w5 <start_of_image> w7 w8 w9"
@@ -243,16 +242,6 @@ def test_prefill_key_limits_open_an_image_both_ways(path):
     causal = run(None) if path == "torch" else None
     if causal is not None:
         assert not torch.allclose(causal[2:7], want[2:7], atol=1e-3) and torch.allclose(causal[8:], want[8:], atol=1e-5)
-
-
-def _edited(path: str, tmp_path, name: str, edit) -> str:
-    d = tmp_path / name
-    shutil.copytree(path, d)
-    for f, change in edit.items():
-        cfg = json.loads((d / f).read_text())
-        change(cfg)
-        (d / f).write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.mark.parametrize("field,edit", [

@@ -6,8 +6,6 @@ HF's processor's; the same image in two requests shares its prefix-cache blocks 
 per crop; a config or processor we do not compute is refused naming the field."""
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 
@@ -15,6 +13,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.errors import ParamError
 from tests.model.families import random_image, save_tiny_idefics3
 from tests.model.helpers import assert_idle as _idle
+from tests.model.helpers import edited_copy as _edited
 from tests.model.helpers import hf_greedy_inputs
 
 PROMPT1 = "w5 <image> w7 w8 w9"
@@ -209,16 +208,6 @@ def test_chat_with_image_parts_offline(idefics3):
     assert out.prompt_token_ids == ref[2]
     _greedy_match(out.outputs[0].token_ids, ref)
     _idle(llm)
-
-
-def _edited(path: str, tmp_path, name: str, edit) -> str:
-    d = tmp_path / name
-    shutil.copytree(path, d)
-    for f, change in edit.items():
-        cfg = json.loads((d / f).read_text())
-        change(cfg)
-        (d / f).write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.mark.parametrize("field,edit", [

@@ -7,8 +7,6 @@ through preemption; the same image in two requests shares its blocks and runs th
 or processor we do not compute is refused naming the field."""
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from pagedserve.errors import ParamError
 from pagedserve.model.llava_next import AnyresImage
 from tests.model.families import random_image, save_tiny_llava_next
 from tests.model.helpers import assert_greedy_match
+from tests.model.helpers import edited_copy as _edited
 from tests.model.helpers import hf_greedy_inputs
 from tests.model.helpers import assert_idle as _idle
 
@@ -236,16 +235,6 @@ def test_chat_with_image_parts_offline(next_model):
     assert out.prompt_token_ids == ref[2]
     _greedy_match(out.outputs[0].token_ids, ref)
     _idle(llm)
-
-
-def _edited(path: str, tmp_path, name: str, edit) -> str:
-    d = tmp_path / name
-    shutil.copytree(path, d)
-    for f, change in edit.items():
-        cfg = json.loads((d / f).read_text())
-        change(cfg)
-        (d / f).write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.mark.parametrize("field,edit", [

@@ -10,7 +10,6 @@ we do not compute, is refused naming the field."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from pagedserve.errors import ParamError
 from pagedserve.model.qwen2_5_vl import QwenVLImage
 from tests.model.families import qwen_vl_inputs, random_image, save_tiny_qwen2_5_vl
 from tests.model.helpers import assert_greedy_match, assert_idle
+from tests.model.helpers import edited_copy as _edited
 from tests.model.helpers import hf_greedy_inputs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -320,16 +320,6 @@ def test_video_and_bad_image_counts_are_refused(qwen):
     with pytest.raises(ParamError, match="no image was given"):
         llm.generate(PROMPT1, GREEDY)
     assert_idle(llm)
-
-
-def _edited(path: str, tmp_path, name: str, edit) -> str:
-    d = tmp_path / name
-    shutil.copytree(path, d)
-    for f, change in edit.items():
-        cfg = json.loads((d / f).read_text())
-        change(cfg)
-        (d / f).write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.mark.parametrize("field,edit", [
