@@ -52,7 +52,8 @@ ROUTER_TRAINING = frozenset({"output_router_logits", "router_aux_loss_coef", "ro
 @dataclass(frozen=True)
 class Family:
     """`reads`: fields honoured at any valid value; `inert`: fields with no effect on inference;
-    `only`: fields honoured only at the listed values; `differs(hf) -> ModelConfig fields`."""
+    `only`: fields honoured only at the listed values; `differs(hf) -> ModelConfig fields`;
+    `rope_reads`: rope_parameters fields this family reads beside ROPE_KEYS (Qwen2.5-VL's mrope_section)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -60,6 +61,7 @@ class Family:
     reads: frozenset[str] = frozenset()
     inert: frozenset[str] = frozenset()
     only: dict[str, tuple] = field(default_factory=dict)
+    rope_reads: frozenset[str] = frozenset()
 
     def check(self, hf: dict) -> None:
         for key, value in hf.items():
@@ -185,7 +187,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            inert=frozenset({"pretraining_tp"}), only=SILU | NO_MLP_BIAS),    # (pretraining_tp: unused at inference)
     Family("mistral", ("MistralForCausalLM",), _mistral, reads=frozenset({"sliding_window"}), only=SILU),
     Family("qwen2", ("Qwen2ForCausalLM",), _qwen2, reads=WINDOW_LAYERS, only=SILU),
-    Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), _qwen2_5_vl, reads=WINDOW_LAYERS, only=SILU),
+    Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), _qwen2_5_vl, reads=WINDOW_LAYERS, only=SILU,
+           rope_reads=frozenset({"mrope_section"})),
     Family("qwen3", ("Qwen3ForCausalLM",), _qwen3, reads=WINDOW_LAYERS | {"attention_bias"}, only=SILU),
     Family("gemma2", ("Gemma2ForCausalLM",), _gemma, reads=_GEMMA_READS, only=_GEMMA_ONLY),
     Family("gemma3_text", ("Gemma3ForCausalLM",), _gemma3, reads=_GEMMA_READS,
@@ -224,7 +227,7 @@ def family_of(raw: dict) -> Family:
 
 def check_rope(fam: Family, params: dict) -> None:
     for p in ([params] if "sliding_attention" not in params else params.values()):
-        unknown = sorted(set(p) - ROPE_KEYS - ({"mrope_section"} if fam.name == "qwen2_5_vl_text" else set()))
+        unknown = sorted(set(p) - ROPE_KEYS - fam.rope_reads)
         if unknown:
             raise UnsupportedModelError(f"{fam.name}: rope_parameters fields {unknown} are not implemented")
         kind = p.get("rope_type", p.get("type", "default"))
