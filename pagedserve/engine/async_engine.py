@@ -233,7 +233,10 @@ class AsyncLLMEngine:
             self._die(e)
 
     def _run_inbox(self) -> None:
-        while True:
+        """The calls queued when this pass began, no more: a reader that queues its next call as soon as
+        one is answered (a dashboard polling, each call a round trip to a core in its own process) must
+        not keep the engine thread here while the steps wait."""
+        for _ in range(self._inbox.qsize()):
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -271,12 +271,16 @@ class LLMEngine:
         co, self._last_stats = so.outputs, so.stats
         self.steps_taken += 1
         outs = [self.end(rid, RequestStatus.FINISHED_ERROR, co.error) for rid in co.failed]
+        # A core in its own process may send what a request this side has already ended (aborted: the
+        # client left) made in a step it ran meanwhile: dropped, as its tokens are (in process it cannot).
         touched: dict[str, RequestState] = {}
         for rid, lps in co.prompt_logprobs.items():
-            st = touched[rid] = self.states[rid]    # prompt chunks run before any fork: rid is the request's own
-            st.prompt_logprobs.extend(lps)
+            if (st := self.states.get(rid)) is not None:    # prompt chunks run before any fork: rid is its own
+                touched[rid] = st
+                st.prompt_logprobs.extend(lps)
         for rid, vec in co.embeddings.items():
-            self.states[rid].embedding = vec
+            if (st := self.states.get(rid)) is not None:
+                st.embedding = vec
         stopped = []
         for t in co.tokens:
             st = self.states.get(t.owner_id)

@@ -118,3 +118,57 @@ def test_sigkill_of_the_core_is_engine_death():
             eng.add_request("s", [1, 2], SamplingParams(max_tokens=2))
     finally:
         eng.shutdown()
+
+
+def test_an_embedding_the_core_sends_after_its_abort_is_dropped(proc_engine):
+    """The core steps by itself: an embedding request the frontend aborts after the core ran its step, before
+    the frontend took that step, has its vector arrive for a request this side has ended. It is dropped (its
+    tokens would be): the frontend's step goes on, nothing is held. (Before: KeyError in step_states, and the
+    server's engine thread died.)"""
+    from pagedserve.sampling_params import PoolingParams
+    eng = proc_engine
+    eng.add_request("e", [5, 6, 7, 8], PoolingParams())
+    t0 = time.monotonic()
+    while eng.client._steps.empty():                 # the core's step with the vector has arrived, untaken
+        assert time.monotonic() - t0 < 60, "the core did not step"
+        time.sleep(0.01)
+    assert eng.abort("e").finished
+    eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(_run(eng)["ok"].outputs[0].token_ids) == 2
+    assert not any(_idle(eng).values())
+
+
+def test_readers_polling_as_fast_as_answered_do_not_stop_the_steps(proc_engine):
+    """Three readers each queue their next call as soon as the last is answered (the soak's observers,
+    the dashboard), each a round trip to the core's process: the engine thread runs the calls queued when a
+    pass begins and then steps, so a stream still ends. (Before: it drained the inbox until empty, which
+    three such readers never let it be, and the stream waited for ever.)"""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+    async def main():
+        aeng = AsyncLLMEngine(proc_engine)
+        stop = asyncio.Event()
+
+        async def reader():
+            n = 0
+            while not stop.is_set():
+                await aeng.call(proc_engine.cache_view)
+                n += 1
+            return n
+        # a long request keeps the core stepping, so each call waits for a step's end to be answered
+        bg = await aeng.add_request("bg", [4, 5, 6], SamplingParams(max_tokens=4000, ignore_eos=True))
+        readers = [asyncio.create_task(reader()) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        stream = await aeng.add_request("p", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+        toks = [t async for o in stream for t in o.outputs[0].token_ids]
+        stop.set()
+        bg.abort()
+        counts = await asyncio.gather(*readers)
+        aeng._stop = True                        # (the module's engine lives on: stop the thread, not the core)
+        aeng._wake.set()
+        aeng._thread.join(5)
+        return toks, counts
+    toks, counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(toks) == 20 and min(counts) > 0
