@@ -8,8 +8,10 @@ forward hides it, so nothing measured it.
 For each running count N (every request streaming, in decode, EOS ignored), K steps are timed: the
 wall time of LLMEngine.step() minus T is the host's work; the core's own split (schedule + update,
 prepare, sample) comes from its StepStats, the output path is what step() adds to the core's step.
-Per sequence: the slope between the smallest and largest N. With T > 0, `rows/s of rows/T` says how
-much of the device's time the host loses (no overlap yet: the host's work adds to T).
+The greedy argmax over the vocabulary (a device's work, done by this host inside `sample`) is timed in the
+same steps and taken out of the step's figure (`step` below is without it; the split's `sample` with it). Per sequence: the slope between the smallest and largest
+N. With T > 0, `rows/s of rows/T` says how much of the device's time the host loses (no overlap yet: the
+host's work adds to T).
 
 --prompt-len sets each request's context (default 32 tokens): the block tables a step used to send whole
 grow with it (the KV pool is mapped but never written: the fake forward writes no keys).
@@ -34,7 +36,8 @@ def fake_device(model, t_s: float, vocab: int):
     free: asleep but for the last millisecond, which is spun to end on time) and returns zeros; the LM head returns rows of fixed random logits (each row's argmax fixed)."""
     hidden = model.cfg.hidden_size
     dtype = model.norm.dtype
-    base = torch.randn(512, vocab, generator=torch.Generator().manual_seed(0))
+    base = [torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))]
+    zeros = [torch.zeros(1, hidden, dtype=dtype)]          # the forward's output buffer, as a device's
 
     def forward(input_ids, positions, kv_caches, md, *_, **__):      # (lora, max_position, embeds: unused)
         if t_s:                          # asleep for most of it (the host is free), then to the microsecond
@@ -42,11 +45,18 @@ def fake_device(model, t_s: float, vocab: int):
             time.sleep(max(0.0, t_s - 1e-3))
             while time.perf_counter() < end:
                 pass
-        return torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
+        n = input_ids.shape[0]
+        if zeros[0].shape[0] < n:
+            zeros[0] = torch.zeros(n, hidden, dtype=dtype)
+        return zeros[0][:n]
 
     def compute_logits(h, prompt=False):
+        """Rows of a table made once (a device's LM head writes its output buffer; a fresh 50 MB tensor each
+        step, as this returned before, put the host's page faults into the host's time)."""
         n = h.shape[0]
-        return base[torch.arange(n) % base.shape[0]]
+        if base[0].shape[0] < n:
+            base[0] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+        return base[0][:n]
     model.forward, model.compute_logits = forward, compute_logits
 
 
@@ -91,13 +101,16 @@ def measure(eng, n: int, steps: int, sampling, prompt_len: int = 32) -> dict:
     for _ in range(3):
         eng.step()                                   # every request in decode, allocators warm
     wall, split = [], {"schedule+update": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+    vocab = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        w = time.perf_counter() - t0
+        with VocabMath() as vm:
+            t0 = time.perf_counter()
+            eng.step()
+            w = time.perf_counter() - t0
+        vocab.append(vm.s)
         st = eng.core.last_stats
         assert st.num_decode_tokens == n and st.num_prefill_tokens == 0, (st.num_decode_tokens, n)
-        wall.append(w)
+        wall.append(w - vm.s)           # the step less its argmax over the vocabulary
         split["prepare"] += st.prepare_s
         split["forward"] += st.forward_s
         split["sample"] += st.sample_s
@@ -108,8 +121,32 @@ def measure(eng, n: int, steps: int, sampling, prompt_len: int = 32) -> dict:
     while eng.has_unfinished_requests():
         eng.step()
     wall.sort()
-    return {"running": n, "step_ms_p50": 1e3 * wall[len(wall) // 2],
+    vocab.sort()
+    return {"running": n, "step_ms_p50": 1e3 * wall[len(wall) // 2], "vocab_us": 1e6 * vocab[len(vocab) // 2],
             **{f"{k}_us": round(1e6 * v / steps, 1) for k, v in split.items()}}
+
+
+class VocabMath:
+    """Times every Tensor.argmax inside the timed steps (greedy sampling's reduction over the vocabulary):
+    a device's work (an H200 reads a 64 x 128k step's logits in microseconds), which on the CPU this host
+    does inside `sample`; reported apart from the host's work, measured in the same steps (timed alone,
+    this host's argmax over 256 x 49,152 took 6 or 13 ms from one run to the next)."""
+
+    def __init__(self):
+        self.s = 0.0
+        self._argmax = torch.Tensor.argmax
+
+    def __enter__(self):
+        def timed(t, *a, **k):
+            t0 = time.perf_counter()
+            out = self._argmax(t, *a, **k)
+            self.s += time.perf_counter() - t0
+            return out
+        torch.Tensor.argmax = timed
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.argmax = self._argmax
 
 
 def main() -> None:
@@ -155,15 +192,18 @@ def report(rows: list[dict], t_ms: float) -> None:
         rate = r["running"] / (r["step_ms_p50"] / 1e3)
         ideal = r["running"] / (t_ms / 1e3) if t_ms else float("inf")
         split = (f"; schedule+update {r['schedule+update_us']:8.1f} us, prepare {r['prepare_us']:8.1f}, sample "
-                 f"{r['sample_us']:8.1f}, output {r['output_us']:8.1f}") if "prepare_us" in r else ""
+                 f"{r['sample_us']:8.1f} (of it the vocabulary's argmax {r['vocab_us']:8.1f}), output "
+                 f"{r['output_us']:8.1f}") if "prepare_us" in r else ""
         print(f"  {r['running']:4d} running: step {r['step_ms_p50']:7.3f} ms, host {host_ms:7.3f} ms "
               f"({1e3 * host_ms / r['running']:6.1f} us/seq){split}"
               + (f"; {rate:,.0f} rows/s = {rate / ideal:.0%} of rows/T" if t_ms else f"; {rate:,.0f} rows/s"))
     if len(rows) > 1:
         lo, hi = rows[0], rows[-1]
-        slope = (hi["step_ms_p50"] - lo["step_ms_p50"]) / (hi["running"] - lo["running"])
-        print(f"  per sequence (slope {lo['running']}..{hi['running']}): {1e3 * slope:.1f} us; fixed: "
-              f"{lo['step_ms_p50'] - t_ms - slope * lo['running']:.3f} ms")
+        def host(r):                     # the step (its argmax over the vocabulary taken out) less T
+            return r["step_ms_p50"] - t_ms
+        slope = (host(hi) - host(lo)) / (hi["running"] - lo["running"])
+        print(f"  host work per sequence (slope {lo['running']}..{hi['running']}): {1e3 * slope:.1f} us; fixed: "
+              f"{host(lo) - slope * lo['running']:.3f} ms")
 
 
 if __name__ == "__main__":

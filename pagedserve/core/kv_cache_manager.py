@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.record import record
 from pagedserve.core.request import Request
 
 
@@ -36,11 +37,11 @@ class BlockOps:
         return bool(self.swap_out or self.swap_in or self.copy)
 
 
-@dataclass(slots=True, frozen=True)
+@record
 class TableDelta:
     """How one group's block table changed since it was last sent: entries from `start` on are
     `block_ids` and the table ends there. start 0: the whole table (a new, resumed or forked
-    sequence); a decode step usually sends (len, ()) or one appended block; a copy-on-write, a
+    sequence); a decode step usually sends none (ScheduledSeq.tables is ()) or one appended block; a copy-on-write, a
     trim of rejected drafts' blocks or a block given back behind a sliding window rewrites from
     its index. The runner's InputBatch keeps the tables (runner/input_batch.py)."""
 
@@ -75,6 +76,7 @@ class KVCacheManager:
         # request -> per group, the first table index changed since the runner was last sent the table
         # (take_table_delta): the runner keeps the tables, a step sends only what changed
         self.changed_from: dict[str, list[int]] = {}
+        self.rewritten: set[str] = set()    # requests whose tables had entries rewritten or cut since then
         self.host_free: deque[int] = deque(range(num_host_blocks))
         self.num_host_blocks = num_host_blocks
         self.swapped: dict[str, list[list[int | None]]] = {}   # request -> host blocks per group, in order
@@ -94,7 +96,7 @@ class KVCacheManager:
         """Entries per request-keyed structure (none once every request has finished); the prefix
         cache is bounded by the pool (one entry per cached block)."""
         return {"kv.req_blocks": len(self.req_blocks), "kv.num_hashed": len(self.num_hashed),
-                "kv.changed_from": len(self.changed_from),
+                "kv.changed_from": len(self.changed_from), "kv.rewritten": len(self.rewritten),
                 "kv.swapped": len(self.swapped), "kv.host_blocks_taken": self.num_host_blocks - len(self.host_free)}
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -131,11 +133,17 @@ class KVCacheManager:
 
     def take_table_delta(self, request_id: str) -> tuple[TableDelta, ...]:
         """Per group, the request's table from its first entry changed since the last call (all of it
-        the first time, after a preemption, a swap-in or a fork); then nothing is pending."""
+        the first time, after a preemption, a swap-in or a fork); then nothing is pending. () when no
+        group's table changed (a decode step within its last block)."""
         groups = self.req_blocks.get(request_id)
         if groups is None:
             return tuple(TableDelta(0, ()) for _ in self.windows)
-        changed = self.changed_from.get(request_id) or [0] * len(groups)
+        changed = self.changed_from.get(request_id)
+        if changed is not None and request_id not in self.rewritten and \
+                all(c == len(blocks) for c, blocks in zip(changed, groups)):
+            return ()                   # nothing changed (most decode steps): the runner keeps its tables
+        self.rewritten.discard(request_id)
+        changed = changed or [0] * len(groups)
         out = tuple(TableDelta(c, tuple(b.block_id for b in blocks[c:])) for c, blocks in zip(changed, groups))
         self.changed_from[request_id] = [len(blocks) for blocks in groups]
         return out
@@ -145,6 +153,7 @@ class KVCacheManager:
         changed = self.changed_from.get(rid)
         if changed is not None and index < changed[group]:
             changed[group] = index
+            self.rewritten.add(rid)     # (a cut to `index` leaves the lengths equal to what was sent)
 
     def num_live_blocks(self, request_id: str) -> int:
         """Pool blocks the request holds, all groups (the null block behind a window not counted)."""
@@ -227,9 +236,20 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the prefix hit
         `computed`, per group, when admitting). False, with nothing changed (but the blocks behind a
         sliding window returned: they are dead either way), if the pool cannot provide it."""
+        rid = req.request_id
+        if computed is None and self.windows == (0,) and self.reserve_tokens is None:
+            # the common decode step: one full-attention table whose blocks already hold the new tokens, its
+            # last block not shared (no copy-on-write): nothing to allocate, only full blocks to register
+            held = self.req_blocks.get(rid)
+            if held is not None:
+                blocks, num_computed = held[0], req.num_computed_tokens
+                end = num_computed + num_new_tokens
+                if end <= len(blocks) * self.block_size and \
+                        not (num_new_tokens and self._needs_cow(blocks, num_computed)):
+                    self._cache_full_blocks(req, min(end, req.num_tokens))
+                    return True
         G = len(self.windows)
         computed = computed or [[] for _ in range(G)]
-        rid = req.request_id
         held = self.req_blocks.get(rid) or [[] for _ in range(G)]
         for g, (w, blocks) in enumerate(zip(self.windows, held)):
             if w and blocks:
@@ -341,6 +361,7 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks))
         self.num_hashed.pop(rid, None)
         self.changed_from.pop(rid, None)
+        self.rewritten.discard(rid)
 
     # ------------------------------------------------------------ swap tier
     def can_swap_out(self, req: Request) -> bool:

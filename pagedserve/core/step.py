@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.core.kv_cache_manager import BlockOps, TableDelta
+from pagedserve.core.record import record
 from pagedserve.core.request import MMFeature, Request, rope_shift
 from pagedserve.sampling_params import PoolingParams, SamplingParams
 
@@ -18,7 +19,7 @@ def whole(block_tables) -> tuple[TableDelta, ...]:
     return tuple(TableDelta(0, tuple(t)) for t in block_tables)
 
 
-@dataclass(slots=True, frozen=True)
+@record
 class SamplingRow:
     """What the sampler needs about one sequence that samples this step."""
 
@@ -62,7 +63,7 @@ class PoolRow:
     final: PoolingParams | None = None  # on the chunk that completes the pooling: how to finish the vector
 
 
-@dataclass(slots=True, frozen=True)
+@record
 class ScheduledSeq:
     """One sequence's share of the step: compute `token_ids` at positions start.. of it. With
     num_draft > 0 (speculative decoding) the last num_draft of them are draft tokens: every row
@@ -72,7 +73,8 @@ class ScheduledSeq:
     token_ids: tuple[int, ...]
     start: int
     tables: tuple[TableDelta, ...]      # per group of layers (KVLayout), how its block table changed since the
-                                        # sequence was last scheduled (one table for a model whose layers all match)
+                                        # sequence was last scheduled (one table for a model whose layers all match);
+                                        # () when none changed
     sampling: SamplingRow | None        # None: a prefill chunk that does not reach the last token
     prompt_logprobs: PromptLogprobsRow | None = None
     pool: PoolRow | None = None
@@ -149,7 +151,7 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.seqs)
 
 
-@dataclass(slots=True, frozen=True)
+@record
 class SeqUpdate:
     """One sequence's new token from a step, already applied by the scheduler."""
 

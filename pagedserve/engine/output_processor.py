@@ -66,9 +66,15 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        if self.error is not None or self.seqs[0].finish == "abort":
+        seqs = self.seqs
+        if self.error is not None or seqs[0].finish == "abort":
             return True
-        return len(self.seqs) == self.num_samples and all(s.finish is not None for s in self.seqs)
+        if len(seqs) != self.num_samples:
+            return False
+        for s in seqs:                  # (a loop, not all() over a generator: asked twice a request a step)
+            if s.finish is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -164,8 +170,8 @@ class OutputProcessor:
                 finished or (st.stream and len(st.prompt_logprobs) == len(st.prompt_token_ids))):
             plp, st.prompt_logprobs_sent = st.prompt_logprobs, True
         t = st.seqs[0].times
+        preemptions = t.num_preemptions if len(st.seqs) == 1 else sum(s.times.num_preemptions for s in st.seqs)
         m = RequestMetrics(st.arrival_time, t.first_scheduled_time, t.first_token_time, t.last_token_time,
-                           time.monotonic() if finished else None, sum(s.times.num_preemptions for s in st.seqs),
-                           st.traffic_class)
+                           time.monotonic() if finished else None, preemptions, st.traffic_class)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, finished, t.num_cached_tokens, m,
                              st.error, plp, st.embedding if finished else None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagedserve.core.record import record
 from pagedserve.runner.sampler import Logprob
 
 
@@ -74,7 +75,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                    else a.prompt_logprobs)
 
 
-@dataclass(slots=True, frozen=True)
+@record
 class SeqTimes:
     """A sequence's progress as the core saw it at a token (what RequestMetrics reports)."""
 

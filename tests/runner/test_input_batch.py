@@ -136,7 +136,7 @@ def test_persistent_batch_equals_a_batch_rebuilt_every_step(data):
         so = sch.schedule()
         whole = {s.request_id: kv.block_tables(s.request_id) for s in so.seqs}   # what used to be sent
         for s in so.seqs:
-            assert all(type(t) is TableDelta for t in s.tables) and len(s.tables) == G
+            assert all(type(t) is TableDelta for t in s.tables) and len(s.tables) in (0, G)   # (): none changed
         runner.batch.update(so)
         if so.seqs:
             for s in so.seqs:
