@@ -14,7 +14,10 @@ cold pagedserve cache, the model file itself may be in memory. --llama-server PA
 the same GGUF file (time to its /health 200, its RSS).
 
   python bench/startup.py [--model PATH] [--runs 3] [--llama-server PATH] [--skip cold] [--json out.json]
-                          [--cold-kernels]
+                          [--cold-kernels] [--serve-variant in-process=--no-engine-process ...]
+
+serve's RSS is its process tree's (the engine core runs in a child process by default): the sum of the
+processes' RSS, and of their peaks.
 """
 from __future__ import annotations
 
@@ -37,24 +40,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
-    """(RSS now, peak RSS) of a live process, MiB."""
+    """(RSS now, peak RSS) of a live process and its descendants (serve's engine core runs in a child), MiB: the
+    sum of their RSS now, and the sum of their peaks (an upper bound of the tree's peak: theirs need not meet)."""
     now = peak = 0.0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                now = int(line.split()[1]) / 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) / 1024
+    for p in (pid, *_descendants(pid)):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        now += int(line.split()[1]) / 1024
+                    elif line.startswith("VmHWM:"):
+                        peak += int(line.split()[1]) / 1024
+        except OSError:                 # (ended meanwhile)
+            pass
     return now, peak
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
 def phases_of(log: str) -> dict[str, float]:
-    """The engine's 'ready in X s: a 0.1, b 0.2 | RSS ...' line as {phase: seconds} (+ 'total')."""
-    m = re.search(r"ready in ([\d.]+) s: (.*?) \| RSS", log)
-    if not m:
+    """The engine's 'ready in X s: a 0.1, b 0.2 | RSS ...' line as {phase: seconds} (+ 'total'); serve with its
+    core in a process of its own logs two, the core's then its own: the last is taken."""
+    found = re.findall(r"ready in ([\d.]+) s: (.*?) \| RSS", log)
+    if not found:
         return {}
-    out = {"total": float(m.group(1))}
-    for part in m.group(2).split(", "):
+    total, parts = found[-1]
+    out = {"total": float(total)}
+    for part in parts.split(", "):
         name, _, secs = part.rpartition(" ")
         out[name] = float(secs)
     return out
@@ -117,6 +141,9 @@ def main() -> int:
     ap.add_argument("--cold-kernels", action="store_true",
                     help="ignore make setup's installed kernel builds (PAGEDSERVE_INSTALLED_KERNELS=0)")
     ap.add_argument("--claims", action="store_true", help="update BENCHMARKS.md's start-up row (bench/claims.py)")
+    ap.add_argument("--serve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="serve also with these flags, its rows named NAME (e.g. in-process=--no-engine-process); "
+                         "repeatable; the plain serve rows are kept")
     ns = ap.parse_args()
     model = ns.model
     if model is None:
@@ -138,15 +165,18 @@ def main() -> int:
                 continue
             if mode == "warm":          # fill the shared cache (untimed)
                 run_generate(gen_cmd, base_env | {"PAGEDSERVE_CACHE": warm_cache})
-            for what in ("serve", "generate"):
+            variants = [("serve", [])] + [(f"serve {v.partition('=')[0]}", v.partition("=")[2].split())
+                                          for v in ns.serve_variant]
+            for what, flags in variants + [("generate", [])]:
                 rows = results.setdefault(f"{mode} {what}", [])
                 for i in range(ns.runs):
-                    cache = os.path.join(work, f"cold-{what}-{i}") if mode == "cold" else warm_cache
+                    cache = os.path.join(work, f"cold-{what}-{i}".replace(" ", "-")) if mode == "cold" else warm_cache
                     env = base_env | {"PAGEDSERVE_CACHE": cache}
-                    r = run_serve(serve_cmd(p := free_port()), env, p) if what == "serve" else run_generate(gen_cmd, env)
+                    r = run_serve(serve_cmd(p := free_port()) + flags, env, p) if what.startswith("serve") \
+                        else run_generate(gen_cmd, env)
                     rows.append(r)
                     print(f"  {mode} {what} run {i + 1}: "
-                          + (f"ready {r['ready_s']:.2f} s (port {r['port_s']:.2f} s)" if what == "serve"
+                          + (f"ready {r['ready_s']:.2f} s (port {r['port_s']:.2f} s)" if what.startswith("serve")
                              else f"{r['wall_s']:.2f} s, answer {r['answer'][:40]!r}"), file=sys.stderr, flush=True)
         if ns.llama_server:
             rows = results.setdefault("llama-server", [])
@@ -158,12 +188,12 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nmodel {model}; {ns.runs} runs each, medians (a shared host: noisy)\n")
-    print(f"{'':20} {'ready / wall s':>15} {'port s':>8} {'peak RSS MB':>12} {'idle RSS MB':>12}")
+    print(f"{'':28} {'ready / wall s':>15} {'port s':>8} {'peak RSS MB':>12} {'idle RSS MB':>12}")
     for name, rows in results.items():
         t = med([r.get("ready_s", r.get("wall_s")) for r in rows])
         port = med([r["port_s"] for r in rows]) if "port_s" in rows[0] else None
         idle = med([r["idle_rss_mb"] for r in rows]) if "idle_rss_mb" in rows[0] else None
-        print(f"{name:20} {t:15.2f} {port if port is not None else float('nan'):8.2f} "
+        print(f"{name:28} {t:15.2f} {port if port is not None else float('nan'):8.2f} "
               f"{med([r['peak_rss_mb'] for r in rows]):12.0f} {idle if idle is not None else float('nan'):12.0f}")
     phase_rows = {name: rows for name, rows in results.items() if rows and rows[0].get("phases")}
     if phase_rows:

@@ -212,8 +212,8 @@ class EngineArgs:
     engine_process: bool = field(default=False, metadata=_h(
         "run the engine core (scheduler, runner, KV pool) in a process of its own, behind the core's protocol "
         "(msgpack step outputs; engine/core_proc.py), so detokenization, stop strings, metrics and HTTP do not "
-        "share its interpreter (a vision-language model cannot: its images do not cross); LLM steps a core in "
-        "process unless asked"))
+        "share its interpreter; serve's default (--no-engine-process: one process), LLM's only when asked. A "
+        "vision-language model's core stays in process (its images do not cross the protocol)"))
 
     def __post_init__(self) -> None:
         self.validate()

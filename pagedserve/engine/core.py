@@ -419,7 +419,7 @@ class EngineCore:
         c.prefix_queries, c.prefix_hits = kv.prefix_queries, kv.prefix_hits
         free = kv.num_free_blocks
         self.last_stats = StepStats(
-            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            index=c.steps, num_running=len(sch.running), num_waiting=len(sch.waiting),
             num_preempted_waiting=sum(1 for _, r in sch.waiting if r.num_preemptions),
             num_free_blocks=free, num_used_blocks=kv.pool.num_usable_blocks - free,
             num_cached_blocks=kv.pool.num_cached_blocks(), kv_usage=kv.usage(),

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core_client import CoreClient, handle
+from pagedserve.engine.core_spawn import SpawnedCore, spawn_core
 from pagedserve.engine.startup import Background, StartupTimer
 from pagedserve.engine.info import CoreStats
 from pagedserve.engine.outputs import StepStats
@@ -143,21 +144,15 @@ class ProcClient(CoreClient):
     """The core in its own process; this side loads its own tokenizer (the frontend's: text in and out)."""
 
     def __init__(self, args: EngineArgs, startup: StartupTimer | None = None, warm_at_load: bool = True,
-                 setup=None):
+                 setup=None, spawned: SpawnedCore | None = None):
         """setup: a module-level function the core's process runs on the built core (a benchmark's fake
-        device); None for serving."""
-        import torch.multiprocessing as mp
+        device); None for serving. spawned: the core's process, started already (serve starts it before its
+        own imports: engine/core_spawn.py); else it is started here."""
         from pagedserve.model.loader import resolve_model
         from pagedserve.tokenizer import load_tokenizer
         self.startup = startup or StartupTimer()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        # not a daemon: the core starts tensor-parallel workers of its own
-        self.proc = ctx.Process(target=core_main, name="pagedserve-core",
-                                args=(args, child, warm_at_load, logging.getLogger("pagedserve").getEffectiveLevel(),
-                                      setup))
-        self.proc.start()
-        child.close()                       # the child's end lives in the child only: its exit breaks the pipe
+        spawned = spawned or spawn_core(args, warm_at_load, setup)
+        self.proc, self._conn = spawned.proc, spawned.conn
         self._out = _Sender(self._conn)
         self._closed = False
         atexit.register(self.shutdown)      # before multiprocessing's own exit hook joins the process
@@ -169,8 +164,10 @@ class ProcClient(CoreClient):
             self.shutdown()
             raise
         self.info = ready.info
-        self.startup.phases.extend(ready.phases)
+        self.startup.mark("engine core process")      # this side's wait for the core's Ready (its load beside)
+        self.startup.beside.extend(ready.phases)
         self.startup.done()
+        log.info("%s", self.startup.summary())
         self.dead: EngineDeadError | None = None
         self._steps: queue.Queue[StepOutput | EngineDeadError] = queue.Queue()
         self._calls: dict[int, Future] = {}

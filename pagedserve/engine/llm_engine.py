@@ -42,8 +42,13 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         if client is None and args.engine_process:
-            from pagedserve.engine.core_proc import ProcClient
-            client = ProcClient(args, startup, warm_at_load)
+            from pagedserve.engine.core_spawn import images_stay_in_process
+            if images_stay_in_process(args):
+                log.info("engine process: a vision-language model's images do not cross the core's protocol; "
+                         "its core runs in this process")
+            else:
+                from pagedserve.engine.core_proc import ProcClient
+                client = ProcClient(args, startup, warm_at_load)
         if client is None:
             from pagedserve.engine.views import engine_info
             core = build_core(args, startup, warm_at_load)
@@ -76,11 +81,13 @@ class LLMEngine:
     def stats(self, shared: bool = False) -> CoreStats:
         """The core's state now: the last step's record, running totals, queues, pool, classes (shared: also
         the blocks sharing saved, a walk over the pool). Token and finish totals are this side's, the step record
-        the last one this side took."""
+        and the step count the last step this side took (a core in its own process may have run more since:
+        a step record and the count it is read beside always agree)."""
         s = self.client.stats(shared)
-        c = self.counters
-        return replace(s, step=self._last_stats, counters=replace(s.counters, prompt_tokens=c.prompt_tokens,
-                                           generation_tokens=c.generation_tokens, finished=dict(c.finished)))
+        c, last = self.counters, self._last_stats
+        return replace(s, step=last, counters=replace(s.counters, prompt_tokens=c.prompt_tokens,
+                                                      generation_tokens=c.generation_tokens, finished=dict(c.finished),
+                                                      steps=last.index if last.index else s.counters.steps))
 
     def last_step(self) -> StepStats:
         """The last step's record alone (what a per-step hook needs; cheaper than stats())."""

@@ -133,6 +133,7 @@ class StepStats:
     propose_s: float = 0.0                  # speculative draft_model: the draft model's passes (in prepare_s)
     sample_s: float = 0.0
     rows: tuple[tuple[int, int, int], ...] = ()   # each sequence the step ran: (start, tokens, samples)
+    index: int = 0                          # the step's number (the core's step count at it; 0: none yet)
 
 
 @dataclass(slots=True)

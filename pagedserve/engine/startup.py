@@ -50,6 +50,9 @@ class StartupTimer:
     ready: bool = False
     after_ready: dict[str, float] = field(default_factory=dict)   # work left for after ready (seconds, when done)
     pending: list[str] = field(default_factory=list)              # work left for after ready, not done yet
+    # the engine core's own phases when it loads in a process of its own (serve's default): they ran beside
+    # this process's, so they are shown apart and not added to total_s (this side's wait for it is a phase)
+    beside: list[Phase] = field(default_factory=list)
     _last: float = field(default_factory=time.perf_counter)
 
     def add(self, name: str, seconds: float) -> None:
@@ -92,7 +95,9 @@ class StartupTimer:
                 "phases": [{"phase": p.name, "seconds": round(p.seconds, 4), "rss_mb": round(p.rss_mb, 1)}
                            for p in self.phases],
                 "after_ready": {name: round(secs, 4) for name, secs in self.after_ready.items()},
-                "pending": list(self.pending)}
+                "pending": list(self.pending),
+                "core_process_phases": [{"phase": p.name, "seconds": round(p.seconds, 4), "rss_mb": round(p.rss_mb, 1)}
+                                        for p in self.beside]}
 
     def summary(self, memory: dict[str, float] | None = None) -> str:
         """One line: 'ready in 2.9 s: imports 0.8, model read 1.1, ... | RSS 850 MB: weights 340, ...'."""
@@ -100,6 +105,9 @@ class StartupTimer:
         line = f"ready in {self.total_s:.2f} s: {parts} | RSS {rss_mb():.0f} MB"
         if memory:
             line += ": " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items())
+        if self.beside:
+            line += (" | the engine core's process, beside: " + ", ".join(f"{p.name} {p.seconds:.2f}" for p in self.beside)
+                     + f", RSS {self.beside[-1].rss_mb:.0f} MB")
         return line
 
 

@@ -176,10 +176,17 @@ def cmd_serve(ns) -> int:
     ns.startup.current = "imports"
     front.start()
     start_kernel_builds(args)
+    ns.core_spawn = None
+    if args.engine_process:             # the core's imports and load beside this process's imports, not after
+        from pagedserve.engine.core_spawn import images_stay_in_process, spawn_core
+        if not images_stay_in_process(args):
+            ns.core_spawn = spawn_core(args, warm_at_load=False)
     try:
         from pagedserve.entrypoints.server import run_server
     except BaseException:
         front.stop()
+        if ns.core_spawn is not None:
+            ns.core_spawn.proc.kill()
         raise
     ns.startup.mark("imports")
     return run_server(args, ns, front)
@@ -247,7 +254,7 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live view of the cache and the schedule at /dashboard (and /debug/state)")
     EngineArgs.add_cli_args(s, positional_model=True)
-    s.set_defaults(fn=cmd_serve)
+    s.set_defaults(fn=cmd_serve, engine_process=True)     # the core in a process of its own (issue 53)
 
 
 def _lazy(module: str, name: str, engine_flags: bool = False):

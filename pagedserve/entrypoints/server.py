@@ -265,7 +265,11 @@ def run_server(args: EngineArgs, ns, front: Front) -> int:
         signal.signal(sig, on_signal)
     front.on_exit = lambda: state is not None and state.aengine.shutdown()   # ends run() on the main thread
     try:
-        engine = LLMEngine(args, startup=timer, warm_at_load=False)     # GEMM shapes: after ready, when idle
+        client = None
+        if getattr(ns, "core_spawn", None) is not None:     # the core's process, started before the imports
+            from pagedserve.engine.core_proc import ProcClient
+            client = ProcClient(args, timer, warm_at_load=False, spawned=ns.core_spawn)
+        engine = LLMEngine(args, startup=timer, warm_at_load=False, client=client)   # GEMM shapes: after ready
         timer.current = "server"
     except StopLoading:
         front.stop()

@@ -223,20 +223,23 @@ def test_serve_with_tp2_answers_and_a_dead_rank_ends_the_server_cleanly(small_ll
     with serve_in_process(args) as (base, proc):
         r = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        (worker,) = _descendants(proc.pid)
+        (core,) = _descendants(proc.pid)            # serve's engine core, in a process of its own (its default)
+        (worker,) = _descendants(core)              # rank 1, the core's worker
         os.kill(worker, signal.SIGKILL)
         r = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["type"] == "engine_dead"
         assert "worker rank 1" in r.json()["error"]["message"]
         assert proc.wait(timeout=30) == 1          # a supervisor restarts it
     with serve_in_process(args) as (base, proc):
-        (worker,) = _descendants(proc.pid)
+        (core,) = _descendants(proc.pid)
+        (worker,) = _descendants(core)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        while any(os.path.exists(f"/proc/{p}") for p in (core, worker)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its server"
+        assert not os.path.exists(f"/proc/{core}"), "the engine core outlived its server"
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "llama"])

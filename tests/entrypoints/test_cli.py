@@ -134,3 +134,12 @@ def test_one_shot_commands_build_gemm_shapes_as_they_meet_them():
     assert [p.parse_args(a).warm_gemm_shapes for a in (["generate", "x"], ["chat"], ["serve"])] == [False, False, True]
     assert p.parse_args(["generate", "x", "--warm-gemm-shapes"]).warm_gemm_shapes is True
     assert p.parse_args(["serve", "--no-warm-gemm-shapes"]).warm_gemm_shapes is False
+
+
+def test_serve_runs_its_core_in_a_process_of_its_own_by_default():
+    """serve: the engine core in its own process unless --no-engine-process (issue 53); generate, chat and LLM()
+    step a core in process (one answer: a second process's start would only add to it)."""
+    p = build_parser()
+    assert [p.parse_args(a).engine_process for a in (["generate", "x"], ["chat"], ["serve"])] == [False, False, True]
+    assert p.parse_args(["serve", "--no-engine-process"]).engine_process is False
+    assert EngineArgs().engine_process is False

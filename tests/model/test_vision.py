@@ -263,3 +263,17 @@ def test_the_hub_checkpoint_layout_loads_the_same(llava, tmp_path):
     prompt = {"prompt": PROMPT1, "multi_modal_data": {"image": random_image(1)}}
     want = _llm(path).generate(prompt, GREEDY)[0].outputs[0].token_ids
     assert _llm(str(d)).generate(prompt, GREEDY)[0].outputs[0].token_ids == want
+
+
+def test_engine_process_keeps_a_vision_models_core_in_process(llava):
+    """serve runs its core in a process of its own by default; a vision-language model's images do not cross
+    the core's protocol, so its core stays in process (engine/core_spawn.py), with the same tokens as HF."""
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.core_client import InProcClient
+    from pagedserve.engine.core_spawn import images_stay_in_process
+    assert images_stay_in_process(EngineArgs(model=llava[0]))
+    llm = _llm(llava[0], engine_process=True)
+    assert isinstance(llm.engine.client, InProcClient)
+    ref, lps, _ = hf_ref(llava, PROMPT1, (1,))
+    out = llm.generate({"prompt": PROMPT1, "multi_modal_data": {"image": [random_image(1)]}}, GREEDY)[0]
+    assert_greedy_match(out.outputs[0].token_ids, ref, lps)

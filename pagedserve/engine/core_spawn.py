@@ -1,0 +1,69 @@
+"""Starting the engine core's process (engine/core_proc.py) with nothing but the standard library imported:
+`pagedserve serve` spawns it right after binding its port, so the core's imports and model load run beside
+the frontend's own imports (torch, FastAPI) instead of after them. `ProcClient` takes the started process and
+waits for its Ready.
+
+Also here: whether a model can run its core in its own process at all (`images_stay_in_process`)."""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass
+
+from pagedserve.config import EngineArgs
+
+log = logging.getLogger("pagedserve")
+
+
+@dataclass
+class SpawnedCore:
+    """A started core process and this side's end of its pipe (ProcClient's until it shuts the core down)."""
+
+    proc: multiprocessing.process.BaseProcess
+    conn: object
+
+
+def _run(args: EngineArgs, conn, warm_at_load: bool, log_level: int, setup) -> None:
+    from pagedserve.engine.core_proc import core_main       # (the child's imports: torch, the model code)
+    core_main(args, conn, warm_at_load, log_level, setup)
+
+
+def spawn_core(args: EngineArgs, warm_at_load: bool = True, setup=None) -> SpawnedCore:
+    """setup: a module-level function the core's process runs on the built core (a benchmark's fake device)."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe(duplex=True)
+    # not a daemon: the core starts tensor-parallel workers of its own
+    proc = ctx.Process(target=_run, name="pagedserve-core",
+                       args=(args, child, warm_at_load, logging.getLogger("pagedserve").getEffectiveLevel(), setup))
+    proc.start()
+    child.close()                       # the child's end lives in the child only: its exit breaks the pipe
+    return SpawnedCore(proc, conn)
+
+
+def images_stay_in_process(args: EngineArgs) -> bool:
+    """True for a vision-language model (an --mmproj beside a GGUF, or a folder whose config.json names a
+    vision-language model type): its images are tensors the core's protocol does not carry, so its core runs in
+    the frontend's process whatever engine_process says. Read from the model's config alone (no torch)."""
+    if args.mmproj:
+        return True
+    if not args.model:
+        return False                    # the bundled model: text
+    path = os.path.expanduser(args.model)
+    if not os.path.exists(path):
+        from pagedserve.model.hub import download, looks_like_hub_id
+        if not looks_like_hub_id(args.model):
+            return False                # not found: the load says so
+        try:
+            path = download(args.model, args.revision)     # (what the load resolves it to; cached once fetched)
+        except Exception:
+            return False                # the load reports why
+    if os.path.isfile(path):
+        return False                    # a GGUF: text unless --mmproj
+    from pagedserve.model.families import VISION_MODEL_TYPES
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type") in VISION_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False                    # no readable config: the load says what is wrong
