@@ -160,6 +160,7 @@ def main() -> None:
     a = ap.parse_args()
     from pagedserve.config import EngineArgs
     from pagedserve.engine.core_proc import ProcClient
+    from pagedserve.engine.core_spawn import spawn_core
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.host import describe
     running = [int(x) for x in a.running.split(",")]
@@ -176,7 +177,7 @@ def main() -> None:
         print(f"T = {t_ms:g} ms")
         report(rows, t_ms)
         if a.engine_process:
-            client = ProcClient(args, setup=functools.partial(install_fake, t_ms / 1e3))
+            client = ProcClient(args, spawn_core(args, setup=functools.partial(install_fake, t_ms / 1e3)))
             seam_eng = LLMEngine(args, client=client)
             try:
                 rows = [measure_seam(seam_eng, n, a.steps, sampling, a.prompt_len) for n in running]

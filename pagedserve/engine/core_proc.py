@@ -30,7 +30,6 @@ from dataclasses import replace
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core_client import CoreClient, handle
-from pagedserve.engine.core_spawn import SpawnedCore, spawn_core
 from pagedserve.engine.startup import Background, StartupTimer
 from pagedserve.engine.info import CoreStats
 from pagedserve.engine.outputs import StepStats
@@ -143,15 +142,13 @@ def _serve(core, msg, out: _Sender) -> None:
 class ProcClient(CoreClient):
     """The core in its own process; this side loads its own tokenizer (the frontend's: text in and out)."""
 
-    def __init__(self, args: EngineArgs, startup: StartupTimer | None = None, warm_at_load: bool = True,
-                 setup=None, spawned: SpawnedCore | None = None):
-        """setup: a module-level function the core's process runs on the built core (a benchmark's fake
-        device); None for serving. spawned: the core's process, started already (serve starts it before its
-        own imports: engine/core_spawn.py); else it is started here."""
+    def __init__(self, args: EngineArgs, spawned, startup: StartupTimer | None = None):
+        """spawned: the core's process, started by engine/core_spawn.py's spawn_core (a SpawnedCore: serve
+        starts it before its own imports, LLMEngine when it makes this client) with these args; this side
+        waits for its Ready."""
         from pagedserve.model.loader import resolve_model
         from pagedserve.tokenizer import load_tokenizer
         self.startup = startup or StartupTimer()
-        spawned = spawned or spawn_core(args, warm_at_load, setup)
         self.proc, self._conn = spawned.proc, spawned.conn
         self._out = _Sender(self._conn)
         self._closed = False

@@ -1,7 +1,8 @@
 """Starting the engine core's process (engine/core_proc.py) with nothing but the standard library imported:
 `pagedserve serve` spawns it right after binding its port, so the core's imports and model load run beside
-the frontend's own imports (torch, FastAPI) instead of after them. `ProcClient` takes the started process and
-waits for its Ready.
+the frontend's own imports (torch, FastAPI) instead of after them; LLMEngine spawns it when it makes its
+client. `ProcClient` (engine/core_proc.py) takes the started process and waits for its Ready; this module never
+imports that one (the child does: `_run`).
 
 Also here: whether a model can run its core in its own process at all (`images_stay_in_process`)."""
 from __future__ import annotations

@@ -268,7 +268,7 @@ def run_server(args: EngineArgs, ns, front: Front) -> int:
         client = None
         if getattr(ns, "core_spawn", None) is not None:     # the core's process, started before the imports
             from pagedserve.engine.core_proc import ProcClient
-            client = ProcClient(args, timer, warm_at_load=False, spawned=ns.core_spawn)
+            client = ProcClient(args, ns.core_spawn, timer)
         engine = LLMEngine(args, startup=timer, warm_at_load=False, client=client)   # GEMM shapes: after ready
         timer.current = "server"
     except StopLoading:
