@@ -23,7 +23,7 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_proc import serve  # noqa: E402
+from server_proc import process_tree, serve  # noqa: E402
 
 PROMPT_TOKENS, OUT_TOKENS = 256, 128
 
@@ -47,24 +47,10 @@ def offline(n: int, seed: int) -> list[float]:
     return out
 
 
-def tree(pid: int) -> list[int]:
-    """pid and its descendants (serve's engine core runs in a child process by default)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(k) for k in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
     """CPU seconds of every thread of pid's process tree, by (process, thread)."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for p in tree(pid):
+    for p in process_tree(pid):
         try:
             tids = os.listdir(f"/proc/{p}/task")
         except OSError:

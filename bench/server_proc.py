@@ -71,3 +71,18 @@ def serve(args_list: list[str], env: dict | None = None, ready_s: float = 180.0)
         except httpx.HTTPError:
             time.sleep(0.2)
     return srv, base
+
+
+def process_tree(pid: int) -> list[int]:
+    """The server and every process under it (its engine core, tensor-parallel ranks, data-parallel replicas)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out

@@ -28,7 +28,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_proc import serve  # noqa: E402
+from server_proc import process_tree, serve  # noqa: E402
 
 WORDS = ("paged attention keeps the cache in blocks while continuous batching lets requests join and leave "
          "every step so long prompts are chunked and short ones finish early").split()
@@ -311,21 +311,6 @@ def rss_bytes(pid: int) -> int:
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
-
-
-def process_tree(pid: int) -> list[int]:
-    """The server and every process under it (tensor-parallel ranks, data-parallel replicas)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
 
 
 def rss_sample(pid: int) -> dict[str, float]:

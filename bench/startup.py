@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from server_proc import free_port, stop, wait_healthy
+from server_proc import free_port, process_tree, stop, wait_healthy
 
 PROMPT = "What is the capital of France?"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +43,7 @@ def rss_mb(pid: int) -> tuple[float, float]:
     """(RSS now, peak RSS) of a live process and its descendants (serve's engine core runs in a child), MiB: the
     sum of their RSS now, and the sum of their peaks (an upper bound of the tree's peak: theirs need not meet)."""
     now = peak = 0.0
-    for p in (pid, *_descendants(pid)):
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:
@@ -54,20 +54,6 @@ def rss_mb(pid: int) -> tuple[float, float]:
         except OSError:                 # (ended meanwhile)
             pass
     return now, peak
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
 
 
 def phases_of(log: str) -> dict[str, float]:
