@@ -13,7 +13,7 @@ import threading
 from pagedserve import gguf_tokenizer
 from pagedserve.errors import ParamError
 from pagedserve.light_tokenizer import LightTokenizer, light_refusal
-from pagedserve.model.loader import ModelLoadError, ModelSource, cache_dir
+from pagedserve.model.source import ModelLoadError, ModelSource, cache_dir
 
 log = logging.getLogger("pagedserve")
 

@@ -82,9 +82,9 @@ def test_the_dequantized_weights_cache_is_pruned_too(tmp_path, monkeypatch):
     """loader._read_gguf_cached (--quantization none / float32 on a GGUF): one folder per model file; with a
     budget of 0 the second file's entry replaces the first's, and a hit on it still reads."""
     import torch
-    from pagedserve.model import loader
+    from pagedserve.model import loader, source
     from tests.model.gguf_mixes import write_mix
-    monkeypatch.setattr(loader, "cache_root", lambda: str(tmp_path / "cache"))
+    monkeypatch.setattr(source, "cache_root", lambda: str(tmp_path / "cache"))    # (cache_dir lives there)
     monkeypatch.setenv("PAGEDSERVE_CACHE_MAX_GB", "0")
     files = [str(tmp_path / f"m{i}.gguf") for i in range(2)]
     for i, f in enumerate(files):

@@ -19,6 +19,16 @@ def whole(block_tables) -> tuple[TableDelta, ...]:
     return tuple(TableDelta(0, tuple(t)) for t in block_tables)
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability and rank at a position (vLLM's shape), as the sampler returns them and the
+    frontend's outputs carry them."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 @record
 class SamplingRow:
     """What the sampler needs about one sequence that samples this step."""

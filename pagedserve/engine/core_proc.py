@@ -146,7 +146,7 @@ class ProcClient(CoreClient):
         """spawned: the core's process, started by engine/core_spawn.py's spawn_core (a SpawnedCore: serve
         starts it before its own imports, LLMEngine when it makes this client) with these args; this side
         waits for its Ready."""
-        from pagedserve.model.loader import resolve_model
+        from pagedserve.model.source import resolve_model
         from pagedserve.tokenizer import load_tokenizer
         self.startup = startup or StartupTimer()
         self.proc, self._conn = spawned.proc, spawned.conn

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedserve.core.record import record
-from pagedserve.runner.sampler import Logprob
+from pagedserve.core.step import Logprob
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import fields
 import msgpack
 
 from pagedserve.engine.outputs import EngineCoreOutputs, RequestFailure, SeqTimes, SeqToken, StepStats
-from pagedserve.runner.sampler import Logprob
+from pagedserve.core.step import Logprob
 
 _STATS = tuple(f.name for f in fields(StepStats))
 

@@ -32,7 +32,7 @@ from pagedserve.engine.startup import Phase
 from pagedserve.engine.step_codec import decode_step, encode_step
 from pagedserve.errors import EngineDeadError, ParamError, QueueFullError
 from pagedserve.lora_request import LoRARequest
-from pagedserve.runner.sampler import Logprob
+from pagedserve.core.step import Logprob
 from pagedserve.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 

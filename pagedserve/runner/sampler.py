@@ -8,14 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.core.step import SamplingRow
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
+from pagedserve.core.step import Logprob, SamplingRow
 
 
 @dataclass(slots=True)
