@@ -43,28 +43,33 @@ def spawn_core(args: EngineArgs, warm_at_load: bool = True, setup=None) -> Spawn
     return SpawnedCore(proc, conn)
 
 
+def spawn_core_for(args: EngineArgs, warm_at_load: bool = True, setup=None) -> SpawnedCore | None:
+    """The core's process for these args, started; None when the model's core must stay in the caller's process
+    (images_stay_in_process), said once in the log. The one place serve and LLMEngine decide it."""
+    if images_stay_in_process(args):
+        log.info("engine process: a vision-language model's images do not cross the core's protocol; "
+                 "its core runs in this process")
+        return None
+    return spawn_core(args, warm_at_load, setup)
+
+
 def images_stay_in_process(args: EngineArgs) -> bool:
-    """True for a vision-language model (an --mmproj beside a GGUF, or a folder whose config.json names a
+    """True for a vision-language model (an --mmproj beside a GGUF, or an HF folder whose config.json names a
     vision-language model type): its images are tensors the core's protocol does not carry, so its core runs in
-    the frontend's process whatever engine_process says. Read from the model's config alone (no torch)."""
+    the frontend's process whatever engine_process says. The model resolved as the load resolves it
+    (model/source.py: no torch), its config's model_type read alone."""
+    from pagedserve.model.families import VISION_MODEL_TYPES
+    from pagedserve.model.source import ModelLoadError, resolve_model
     if args.mmproj:
         return True
-    if not args.model:
-        return False                    # the bundled model: text
-    path = os.path.expanduser(args.model)
-    if not os.path.exists(path):
-        from pagedserve.model.hub import download, looks_like_hub_id
-        if not looks_like_hub_id(args.model):
-            return False                # not found: the load says so
-        try:
-            path = download(args.model, args.revision)     # (what the load resolves it to; cached once fetched)
-        except Exception:
-            return False                # the load reports why
-    if os.path.isfile(path):
-        return False                    # a GGUF: text unless --mmproj
-    from pagedserve.model.families import VISION_MODEL_TYPES
     try:
-        with open(os.path.join(path, "config.json")) as f:
+        src = resolve_model(args.model, args.revision)
+    except ModelLoadError:
+        return False                    # the load reports it
+    if src.kind != "hf":
+        return False                    # a GGUF: text unless --mmproj
+    try:
+        with open(os.path.join(src.path, "config.json")) as f:
             return json.load(f).get("model_type") in VISION_MODEL_TYPES
     except (OSError, ValueError, AttributeError):
         return False                    # no readable config: the load says what is wrong

@@ -162,8 +162,8 @@ class EncoderCore(EngineCore):
         step_s = time.perf_counter() - t0
         n = sum(len(r.prompt_token_ids) for r in batch)
         self.counters.steps += 1
-        self.last_stats = StepStats(index=self.counters.steps, num_running=len(batch), num_waiting=len(self.queue), num_prefill_tokens=n,
-                                    step_s=step_s, forward_s=step_s)
+        self.last_stats = StepStats(index=self.counters.steps, num_running=len(batch), num_waiting=len(self.queue),
+                                    num_prefill_tokens=n, step_s=step_s, forward_s=step_s)
         return EngineCoreOutputs(tokens, {}, {r.request_id: v for r, v in zip(batch, vecs)})
 
     def embed_batch(self, prompts: list[list[int]], pooling: list[PoolingParams]) -> list[list[float]]:

@@ -42,13 +42,11 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         if client is None and args.engine_process:
-            from pagedserve.engine.core_spawn import images_stay_in_process, spawn_core
-            if images_stay_in_process(args):
-                log.info("engine process: a vision-language model's images do not cross the core's protocol; "
-                         "its core runs in this process")
-            else:
+            from pagedserve.engine.core_spawn import spawn_core_for
+            spawned = spawn_core_for(args, warm_at_load)
+            if spawned is not None:
                 from pagedserve.engine.core_proc import ProcClient
-                client = ProcClient(args, spawn_core(args, warm_at_load), startup)
+                client = ProcClient(args, spawned, startup)
         if client is None:
             from pagedserve.engine.views import engine_info
             core = build_core(args, startup, warm_at_load)

@@ -106,8 +106,8 @@ class StartupTimer:
         if memory:
             line += ": " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items())
         if self.beside:
-            line += (" | the engine core's process, beside: " + ", ".join(f"{p.name} {p.seconds:.2f}" for p in self.beside)
-                     + f", RSS {self.beside[-1].rss_mb:.0f} MB")
+            core = ", ".join(f"{p.name} {p.seconds:.2f}" for p in self.beside)
+            line += f" | the engine core's process, beside: {core}, RSS {self.beside[-1].rss_mb:.0f} MB"
         return line
 
 

@@ -178,9 +178,8 @@ def cmd_serve(ns) -> int:
     start_kernel_builds(args)
     ns.core_spawn = None
     if args.engine_process:             # the core's imports and load beside this process's imports, not after
-        from pagedserve.engine.core_spawn import images_stay_in_process, spawn_core
-        if not images_stay_in_process(args):
-            ns.core_spawn = spawn_core(args, warm_at_load=False)
+        from pagedserve.engine.core_spawn import spawn_core_for
+        ns.core_spawn = spawn_core_for(args, warm_at_load=False)
     try:
         from pagedserve.entrypoints.server import run_server
     except BaseException:
