@@ -106,6 +106,11 @@ class TrafficClasses:
         ts = [c.itl_p99_ms for c in self.classes if c.itl_p99_ms is not None]
         return min(ts) / 1e3 if ts else None
 
+    @property
+    def has_time_targets(self) -> bool:
+        """Some class has an ITL or TTFT target: the scheduler plans steps by the step-time model."""
+        return any(c.itl_p99_ms is not None or c.ttft_p99_ms is not None for c in self.classes)
+
     def floor_warnings(self, floor_ms: float) -> list[str]:
         """One line per class whose itl_p99_ms is under the floor (ms), naming the class, the field and the floor."""
         return [f"traffic class {c.name!r}: itl_p99_ms {c.itl_p99_ms:g} is under this host's floor of "

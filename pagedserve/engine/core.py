@@ -41,6 +41,7 @@ from pagedserve.native_build import sources_for
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
+from pagedserve.sim.calibrate import probe_step_times
 from pagedserve.sim.cost_model import PROFILES, FittedCost, LiveCost, RooflineCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
@@ -233,6 +234,8 @@ class EngineCore:
         self.startup_itl_floor_ms = None      # traffic classes: the ITL floor by reference_floor_rows (ms)
         if classes is not None:
             self.step_cost = self._live_cost()
+            if self.step_cost.model is None and classes.has_time_targets:
+                self._probe_step_cost(args)
             log.info("traffic classes: %s", "; ".join(
                 f"{c.name} (priority {c.priority}" + "".join(f", {k} {getattr(c, k)}" for k in CLASS_KEYS[2:]
                                                              if getattr(c, k) is not None) + ")" for c in classes))
@@ -286,6 +289,28 @@ class EngineCore:
             if strict:
                 raise ValueError(f"strict_slo: {line}")
             log.warning("%s", line)
+
+    def _probe_step_cost(self, args: EngineArgs) -> None:
+        """No calibration cached for this host: time a few steps now (sim.calibrate.probe_step_times, ~1-4 s on a
+        2-core CPU) and fit the live model on them, so the first steps of traffic are planned by this host's
+        own times and the floor is known at start-up (issue 54: a roofline prior left the first steps of a
+        flood uncut, 1-5 s each, and set the run's TTFT p99)."""
+        t0 = time.perf_counter()
+        with phase("step-time probe"):
+            touch = self.runner.touch_blocks if self.executor.tp.size == 1 else None
+            samples = probe_step_times(self.executor.execute, self.kv, self.max_model_len, args.max_num_batched_tokens,
+                                       touch)
+            for rows, seconds in samples:
+                self.step_cost.observe(rows, seconds)
+        cost = self.step_cost
+        if cost.model is None:
+            log.info("step-time probe: %d steps timed, too few to fit (a pool or budget too small); the roofline "
+                     "until %d steps have run", len(samples), LiveCost.MIN_SAMPLES)
+            return
+        log.info("step-time probe: %d steps timed in %.1f s, fitted (median relative error %.0f %%; one decode "
+                 "%.1f ms, a 16-token chunk beside it %.1f ms); refitted as steps run", len(samples),
+                 time.perf_counter() - t0, 100 * cost.model.rel_error_p50, 1e3 * cost([(16, 1, 1)]),
+                 1e3 * cost([(16, 1, 1), (0, 16, 0)]))
 
     def _live_cost(self) -> LiveCost:
         """The step-time model of `pagedserve simulate --calibrate`, refitted while serving on this

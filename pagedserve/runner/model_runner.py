@@ -150,6 +150,15 @@ class ModelRunner:
         scales = zeros(shape, torch.float32) if kv_scale_bytes(self.kv_dtype) else None
         return data, scales
 
+    @torch.inference_mode()
+    def touch_blocks(self, block_ids: list[int]) -> None:
+        """Write zeros into these blocks of the pool (every plane, K and V, their scales): a CPU pool is mapped
+        lazily, and the start-up step-time probe must read memory where it reads a context, not the zero page."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        for t in (self.kv_cache, self.kv_scales):
+            if t is not None:
+                t.index_fill_(2, idx, 0)
+
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)

@@ -1,7 +1,8 @@
 """The ITL floor at start-up (issue 54): from this host's cached step-time calibration, a traffic class
 whose itl_p99_ms is under the floor is accepted with a warning naming the class, the field and the floor,
 or refused with strict_slo; above it the engine starts quietly. The calibration is a FittedCost written
-where the engine is told to look for it (a temporary file), so the floor is exact."""
+where the engine is told to look for it (a temporary file), so the floor is exact. Without one, a probe at
+start-up fits the model."""
 import json
 import logging
 
@@ -43,8 +44,44 @@ def test_a_target_under_the_floor_warns_naming_it_and_strict_slo_refuses(calibra
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "floor" in r.getMessage()]
 
 
-def test_strict_slo_without_a_calibration_is_refused_naming_the_way_to_make_one(tmp_path, monkeypatch):
+def test_strict_slo_without_any_step_time_model_is_refused_naming_the_way_to_make_one(tmp_path, monkeypatch):
     from pagedserve import LLMEngine
     monkeypatch.setattr("pagedserve.engine.core.cache_path", lambda args: str(tmp_path / "none.json"))
+    monkeypatch.setattr("pagedserve.engine.core.probe_step_times", lambda *a, **k: [])   # (a pool too small for it)
     with pytest.raises(ValueError, match=r"strict_slo: no step-time model .*pagedserve simulate --calibrate"):
         LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(100), strict_slo=True))
+
+
+def test_without_a_calibration_a_probe_at_start_up_fits_the_model_and_leaves_nothing_behind(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """No calibration cached: the engine times probe steps at load (sim.calibrate.probe_step_times) and fits the
+    live model on them, so the floor is known before the first request (strict_slo judges a target against it)
+    and the first steps are planned by this host's times. The probe's blocks go back to the pool, the runner
+    keeps no row of it, and the tokens are the engine's without classes."""
+    from pagedserve import LLMEngine
+    from pagedserve.sim.calibrate import probe_rows
+    monkeypatch.setattr("pagedserve.engine.core.cache_path", lambda args: str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match=r"strict_slo: traffic class 'interactive': itl_p99_ms 0\.01 is under"):
+        LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(0.01), strict_slo=True))
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        eng = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(10_000)))
+    core = eng.core
+    assert core.step_cost.model is not None and core.step_cost.count == 2 * len(probe_rows(64, 64))
+    assert core.startup_itl_floor_ms is not None and core.startup_itl_floor_ms > 0
+    assert "step-time probe" in core.startup.seconds()
+    assert any(r.getMessage().startswith("step-time probe: 24 steps timed") for r in caplog.records)
+    assert core.kv.num_free_blocks == core.kv.pool.num_usable_blocks and len(core.runner.batch) == 0
+    plain = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64))
+    assert greedy(eng) == greedy(plain)
+
+
+def greedy(eng) -> dict[str, list[int]]:
+    from pagedserve import SamplingParams
+    for i, p in enumerate(([1, 2, 3, 4, 5, 6, 7, 8], list(range(100, 160)))):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=8, temperature=0.0))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
