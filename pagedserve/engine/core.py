@@ -41,7 +41,7 @@ from pagedserve.native_build import sources_for
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
-from pagedserve.sim.calibrate import probe_step_times
+from pagedserve.sim.calibrate import load_probe, probe_cache_path, probe_step_times, save_probe
 from pagedserve.sim.cost_model import PROFILES, FittedCost, LiveCost, RooflineCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
@@ -291,15 +291,20 @@ class EngineCore:
             log.warning("%s", line)
 
     def _probe_step_cost(self, args: EngineArgs) -> None:
-        """No calibration cached for this host: time a few steps now (sim.calibrate.probe_step_times, ~1-4 s on a
+        """No calibration cached for this host: time a few steps now (sim.calibrate.probe_step_times, ~2-3 s on a
         2-core CPU) and fit the live model on them, so the first steps of traffic are planned by this host's
         own times and the floor is known at start-up (issue 54: a roofline prior left the first steps of a
-        flood uncut, 1-5 s each, and set the run's TTFT p99)."""
-        t0 = time.perf_counter()
+        flood uncut, 1-5 s each, and set the run's TTFT p99). The samples are kept in the cache folder, keyed as
+        the calibration is (host, model, dtypes, block size): the next start reads them instead of probing."""
+        t0, path = time.perf_counter(), probe_cache_path(cache_path(args))
         with phase("step-time probe"):
-            touch = self.runner.touch_blocks if self.executor.tp.size == 1 else None
-            samples = probe_step_times(self.executor.execute, self.kv, self.max_model_len, args.max_num_batched_tokens,
-                                       touch)
+            samples, how = load_probe(path), "read from the cache"
+            if samples is None:
+                touch = self.runner.touch_blocks if self.executor.tp.size == 1 else None
+                samples, how = probe_step_times(self.executor.execute, self.kv, self.max_model_len,
+                                                args.max_num_batched_tokens, touch), "timed"
+                if samples:
+                    save_probe(path, samples)
             for rows, seconds in samples:
                 self.step_cost.observe(rows, seconds)
         cost = self.step_cost
@@ -307,8 +312,8 @@ class EngineCore:
             log.info("step-time probe: %d steps timed, too few to fit (a pool or budget too small); the roofline "
                      "until %d steps have run", len(samples), LiveCost.MIN_SAMPLES)
             return
-        log.info("step-time probe: %d steps timed in %.1f s, fitted (median relative error %.0f %%; one decode "
-                 "%.1f ms, a 16-token chunk beside it %.1f ms); refitted as steps run", len(samples),
+        log.info("step-time probe: %d steps %s in %.1f s, fitted (median relative error %.0f %%; one decode "
+                 "%.1f ms, a 16-token chunk beside it %.1f ms); refitted as steps run", len(samples), how,
                  time.perf_counter() - t0, 100 * cost.model.rel_error_p50, 1e3 * cost([(16, 1, 1)]),
                  1e3 * cost([(16, 1, 1), (0, 16, 0)]))
 

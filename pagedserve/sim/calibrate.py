@@ -149,3 +149,43 @@ def probe_step_times(execute, kv, max_model_len: int, max_tokens: int, touch=Non
             kv.pool.free_blocks(t)
         execute(SchedulerOutput(finished_req_ids=tuple(f"probe-{j}" for j in range(max(map(len, steps))))))
     return out
+
+
+def probe_cache_path(calibration: str) -> str:
+    """Where the start-up probe's samples are kept: beside the calibration file (cache_path) of this host and
+    these EngineArgs."""
+    return calibration.removesuffix(".json") + ".probe.json"
+
+
+def save_probe(path: str, samples: list) -> None:
+    """The probe's ((start, tokens, samples) rows, seconds) pairs for the next start on this host; an unwritable
+    folder is a warning (the next start probes again)."""
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"host": host_key(), "samples": [[[list(r) for r in rows], s] for rows, s in samples]}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("step-time probe: could not keep its samples in %s (%s); the next start probes again", path, e)
+
+
+def load_probe(path: str) -> list | None:
+    """The samples save_probe kept, or None: none kept, or a file that is damaged, of another host or of another
+    shape (ignored, never trusted: the caller probes again and rewrites it)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d["host"] != host_key():
+            return None
+        out = []
+        for rows, seconds in d["samples"]:
+            rows = [tuple(int(x) for x in r) for r in rows]
+            if not rows or any(len(r) != 3 or min(r) < 0 or r[1] < 1 for r in rows) or not 0 < float(seconds) < 3600:
+                raise ValueError(f"a sample out of range: {rows} {seconds}")
+            out.append((rows, float(seconds)))
+        return out or None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("step-time probe: ignoring its cached samples in %s (%s); probing again", path, e)
+        return None

@@ -263,7 +263,10 @@ def cache_path(args) -> str:
     key = hashlib.sha1(f"{host_key()}|{args.model}|{args.dtype}|{args.quantization}|{args.kv_cache_dtype}|"
                        f"{args.block_size}".encode()).hexdigest()[:16]
     d = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "calibration")
-    os.makedirs(d, exist_ok=True)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError:                       # a read-only home: nothing cached is found, a save warns
+        pass
     return os.path.join(d, f"{key}.json")
 
 

@@ -61,15 +61,19 @@ def test_without_a_calibration_a_probe_at_start_up_fits_the_model_and_leaves_not
     from pagedserve import LLMEngine
     from pagedserve.sim.calibrate import probe_rows
     monkeypatch.setattr("pagedserve.engine.core.cache_path", lambda args: str(tmp_path / "none.json"))
-    with pytest.raises(ValueError, match=r"strict_slo: traffic class 'interactive': itl_p99_ms 0\.01 is under"):
+    with caplog.at_level(logging.INFO, logger="pagedserve"), \
+            pytest.raises(ValueError, match=r"strict_slo: traffic class 'interactive': itl_p99_ms 0\.01 is under"):
         LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(0.01), strict_slo=True))
+    assert any(r.getMessage().startswith("step-time probe: 24 steps timed") for r in caplog.records)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         eng = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(10_000)))
     core = eng.core
     assert core.step_cost.model is not None and core.step_cost.count == 2 * len(probe_rows(64, 64))
     assert core.startup_itl_floor_ms is not None and core.startup_itl_floor_ms > 0
     assert "step-time probe" in core.startup.seconds()
-    assert any(r.getMessage().startswith("step-time probe: 24 steps timed") for r in caplog.records)
+    # (the refused start above probed and kept its samples: this one reads them)
+    assert any(r.getMessage().startswith("step-time probe: 24 steps read from the cache") for r in caplog.records)
     assert core.kv.num_free_blocks == core.kv.pool.num_usable_blocks and len(core.runner.batch) == 0
     plain = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64))
     assert greedy(eng) == greedy(plain)
@@ -85,3 +89,43 @@ def greedy(eng) -> dict[str, list[int]]:
             if o.finished:
                 out[o.request_id] = list(o.outputs[0].token_ids)
     return out
+
+
+def test_the_probes_kept_samples_are_ignored_when_damaged_or_of_another_host_and_an_unwritable_folder_warns(
+        tmp_path, monkeypatch, caplog):
+    """The probe's samples file is a cache entry: a damaged one or another host's is ignored and probed again (and
+    rewritten), never trusted; a folder it cannot be written to is a warning and the engine starts."""
+    from pagedserve import LLMEngine
+    from pagedserve.sim.calibrate import host_key, probe_rows
+    probed = []
+
+    def fake_probe(*a, **k):                  # steps whose time grows with their tokens and rows, as steps do
+        probed.append(1)
+        return [([(s, n, k) for _, s, n, k in step], 0.002 + 1e-4 * sum(n for _, _, n, _ in step) + 1e-3 * len(step))
+                for step in probe_rows(64, 64) * 2]
+    monkeypatch.setattr("pagedserve.engine.core.probe_step_times", fake_probe)
+    calib = tmp_path / "c.json"
+    monkeypatch.setattr("pagedserve.engine.core.cache_path", lambda args: str(calib))
+    kept = tmp_path / "c.probe.json"
+
+    def start():
+        eng = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64, traffic_classes=classes(10_000)))
+        assert eng.core.step_cost.model is not None and eng.core.step_cost.count == 24
+        return eng
+    start()
+    assert len(probed) == 1 and json.loads(kept.read_text())["host"] == host_key()
+    start()
+    assert len(probed) == 1                                                   # read, not probed
+    for damage in ('{"host": "', json.dumps({"host": host_key(), "samples": [[[[0, -5, 1]], 0.1]]}),
+                   json.dumps({"host": "another CPU", "samples": json.loads(kept.read_text())["samples"]})):
+        kept.write_text(damage)
+        with caplog.at_level(logging.WARNING, logger="pagedserve"):
+            start()
+        assert json.loads(kept.read_text())["host"] == host_key()             # probed again and rewritten
+    assert len(probed) == 4
+    assert sum("ignoring its cached samples" in r.getMessage() for r in caplog.records) == 2   # (another host: quiet)
+    caplog.clear()
+    calib = tmp_path / "no-such-folder" / "c.json"
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        start()
+    assert any("could not keep its samples" in r.getMessage() for r in caplog.records) and len(probed) == 5
