@@ -41,7 +41,7 @@ from pagedserve.native_build import sources_for
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
-from pagedserve.sim.calibrate import load_probe, probe_cache_path, probe_step_times, save_probe
+from pagedserve.sim.probe import load_probe, probe_cache_path, probe_step_times, save_probe
 from pagedserve.sim.cost_model import PROFILES, FittedCost, LiveCost, RooflineCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
@@ -291,7 +291,7 @@ class EngineCore:
             log.warning("%s", line)
 
     def _probe_step_cost(self, args: EngineArgs) -> None:
-        """No calibration cached for this host: time a few steps now (sim.calibrate.probe_step_times, ~2-3 s on a
+        """No calibration cached for this host: time a few steps now (sim.probe.probe_step_times, ~2-3 s on a
         2-core CPU) and fit the live model on them, so the first steps of traffic are planned by this host's
         own times and the floor is known at start-up (issue 54: a roofline prior left the first steps of a
         flood uncut, 1-5 s each, and set the run's TTFT p99). The samples are kept in the cache folder, keyed as

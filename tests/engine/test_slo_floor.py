@@ -54,12 +54,12 @@ def test_strict_slo_without_any_step_time_model_is_refused_naming_the_way_to_mak
 
 def test_without_a_calibration_a_probe_at_start_up_fits_the_model_and_leaves_nothing_behind(tmp_path, monkeypatch,
                                                                                              caplog):
-    """No calibration cached: the engine times probe steps at load (sim.calibrate.probe_step_times) and fits the
+    """No calibration cached: the engine times probe steps at load (sim.probe.probe_step_times) and fits the
     live model on them, so the floor is known before the first request (strict_slo judges a target against it)
     and the first steps are planned by this host's times. The probe's blocks go back to the pool, the runner
     keeps no row of it, and the tokens are the engine's without classes."""
     from pagedserve import LLMEngine
-    from pagedserve.sim.calibrate import probe_rows
+    from pagedserve.sim.probe import probe_rows
     monkeypatch.setattr("pagedserve.engine.core.cache_path", lambda args: str(tmp_path / "none.json"))
     with caplog.at_level(logging.INFO, logger="pagedserve"), \
             pytest.raises(ValueError, match=r"strict_slo: traffic class 'interactive': itl_p99_ms 0\.01 is under"):
@@ -96,7 +96,7 @@ def test_the_probes_kept_samples_are_ignored_when_damaged_or_of_another_host_and
     """The probe's samples file is a cache entry: a damaged one or another host's is ignored and probed again (and
     rewritten), never trusted; a folder it cannot be written to is a warning and the engine starts."""
     from pagedserve import LLMEngine
-    from pagedserve.sim.calibrate import host_key, probe_rows
+    from pagedserve.sim.probe import host_key, probe_rows
     probed = []
 
     def fake_probe(*a, **k):                  # steps whose time grows with their tokens and rows, as steps do
