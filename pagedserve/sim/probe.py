@@ -3,6 +3,8 @@ few steps built by hand, run through the executor and timed, so the live model i
 request; its samples kept beside the host's calibration for the next start. Plain Python: the executor is given."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -76,25 +78,39 @@ def probe_cache_path(calibration: str) -> str:
     return calibration.removesuffix(".json") + ".probe.json"
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code a step's time comes from (the model, the runner, the native kernels' sources): kept
+    samples from other code are stale (a faster gather halved a step of the floor, issue 54) and are probed again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for sub in ("model", "runner", "kernels"):
+        for name in sorted(os.listdir(os.path.join(root, sub))):
+            if name.endswith((".py", ".c", ".h")):
+                with open(os.path.join(root, sub, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
+
+
 def save_probe(path: str, samples: list) -> None:
     """The probe's ((start, tokens, samples) rows, seconds) pairs for the next start on this host; an unwritable
     folder is a warning (the next start probes again)."""
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"host": host_key(), "samples": [[[list(r) for r in rows], s] for rows, s in samples]}, f)
+            json.dump({"host": host_key(), "code": code_digest(), "samples": [[[list(r) for r in rows], s] for rows, s in samples]}, f)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("step-time probe: could not keep its samples in %s (%s); the next start probes again", path, e)
 
 
 def load_probe(path: str) -> list | None:
-    """The samples save_probe kept, or None: none kept, or a file that is damaged, of another host or of another
-    shape (ignored, never trusted: the caller probes again and rewrites it)."""
+    """The samples save_probe kept, or None: none kept, or a file that is damaged, of another host or other code
+    (ignored, never trusted: the caller probes again and rewrites it)."""
     try:
         with open(path) as f:
             d = json.load(f)
-        if d["host"] != host_key():
+        if d["host"] != host_key() or d.get("code") != code_digest():
             return None
         out = []
         for rows, seconds in d["samples"]:

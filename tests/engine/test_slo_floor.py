@@ -93,8 +93,8 @@ def greedy(eng) -> dict[str, list[int]]:
 
 def test_the_probes_kept_samples_are_ignored_when_damaged_or_of_another_host_and_an_unwritable_folder_warns(
         tmp_path, monkeypatch, caplog):
-    """The probe's samples file is a cache entry: a damaged one or another host's is ignored and probed again (and
-    rewritten), never trusted; a folder it cannot be written to is a warning and the engine starts."""
+    """The probe's samples file is a cache entry: a damaged one, another host's or other code's is ignored and probed
+    again (and rewritten), never trusted; a folder it cannot be written to is a warning and the engine starts."""
     from pagedserve import LLMEngine
     from pagedserve.sim.probe import host_key, probe_rows
     probed = []
@@ -116,16 +116,17 @@ def test_the_probes_kept_samples_are_ignored_when_damaged_or_of_another_host_and
     assert len(probed) == 1 and json.loads(kept.read_text())["host"] == host_key()
     start()
     assert len(probed) == 1                                                   # read, not probed
-    for damage in ('{"host": "', json.dumps({"host": host_key(), "samples": [[[[0, -5, 1]], 0.1]]}),
-                   json.dumps({"host": "another CPU", "samples": json.loads(kept.read_text())["samples"]})):
+    good = json.loads(kept.read_text())
+    for damage in ('{"host": "', json.dumps(good | {"samples": [[[[0, -5, 1]], 0.1]]}), json.dumps(good | {"host": "AMD"}),
+                   json.dumps(good | {"code": "older code"})):
         kept.write_text(damage)
         with caplog.at_level(logging.WARNING, logger="pagedserve"):
             start()
         assert json.loads(kept.read_text())["host"] == host_key()             # probed again and rewritten
-    assert len(probed) == 4
-    assert sum("ignoring its cached samples" in r.getMessage() for r in caplog.records) == 2   # (another host: quiet)
+    assert len(probed) == 5
+    assert sum("ignoring its cached samples" in r.getMessage() for r in caplog.records) == 2   # (another host, code: quiet)
     caplog.clear()
     calib = tmp_path / "no-such-folder" / "c.json"
     with caplog.at_level(logging.WARNING, logger="pagedserve"):
         start()
-    assert any("could not keep its samples" in r.getMessage() for r in caplog.records) and len(probed) == 5
+    assert any("could not keep its samples" in r.getMessage() for r in caplog.records) and len(probed) == 6

@@ -283,3 +283,20 @@ def test_a_level_the_cpu_cannot_run_is_refused(monkeypatch):
     assert kernels.host_levels() == ["avx2", "generic"]
     with pytest.raises(ValueError, match="PAGEDSERVE_KERNEL_ISA"):
         kernels.load("avx512")
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_the_torch_paths_block_gather_is_indexing_bit_for_bit(dt):
+    """attention._blocks (index_select over the pool as rows of blocks) gives x[bt] exactly, for a prefill chunk's
+    table (1-D) and the decode rows' tables (2-D), values and int8 scales; a pool view that is not contiguous
+    takes x[bt] itself."""
+    from pagedserve.model.attention import _blocks
+    g = torch.Generator().manual_seed(11)
+    layer = _cache(40, 16, 3, 64, dt, g)
+    for bt in (torch.tensor([7, 3, 39, 0, 12]), torch.randint(0, 40, (4, 6), generator=g)):
+        for x in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+            if x is not None:
+                assert torch.equal(_blocks(x, bt), x[bt])
+        strided = layer.k.transpose(1, 2)
+        assert torch.equal(_blocks(strided, bt), strided[bt])
+    assert _blocks(None, bt) is None
