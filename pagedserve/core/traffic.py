@@ -21,6 +21,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 # the step time aimed at: this fraction of the tightest target, for the time outside the step
 # (detokenization, the HTTP thread) and the model's own error
 ITL_HEADROOM = 0.8
+# the least share step_headroom gives: a fit on few samples (the start-up probe's 24) can have a step it
+# predicts near 0 s, whose ratio would otherwise plan every step at a hundredth of the target
+MIN_HEADROOM = 0.25
 # a TTFT target bounds every step to this share of it (an arrival waits for the step in flight, then
 # needs a step of its own), whether or not its class has requests running
 TTFT_STEP_SHARE = 0.5
@@ -63,9 +66,33 @@ def least_step_rows(target_decodes: Iterable[int], other_decodes: Iterable[Itera
 def step_headroom(cost) -> float:
     """The share of a target a step is planned under: ITL_HEADROOM, less where the step-time model's steps
     run past their predictions by more (its `ratio_p99`, measured / predicted, when it keeps one): on a
-    shared host a plan at 0.8 x the target let one step in five pass it (issue 54)."""
+    shared host a plan at 0.8 x the target let one step in five pass it (issue 54); never under MIN_HEADROOM."""
     ratio = getattr(cost, "ratio_p99", None)
-    return ITL_HEADROOM if not ratio else min(ITL_HEADROOM, 1.0 / ratio)
+    return ITL_HEADROOM if not ratio else max(MIN_HEADROOM, min(ITL_HEADROOM, 1.0 / ratio))
+
+
+class StepHeadroom:
+    """The share of an ITL target the scheduler plans a step under while a class with that target decodes, kept by
+    feedback on the steps' measured times: a step past its target shrinks the share by MISS, a step within it grows
+    it by MISS / 99, so about one such step in a hundred runs past the target (a quantile tracker; issue 54 item 3:
+    the fixed share, step_headroom, left the ITL p99 1.1-1.2x over a target near the floor on one host and 0.8x
+    under a larger one, its batch work given away). Starts at ITL_HEADROOM (a share too high comes down in a few
+    misses; one too low climbs a step at a time), kept in [LO, HI]. The floor is still read with step_headroom (a
+    property of the host and its model, not of the controller's state)."""
+
+    LO, HI, MISS = MIN_HEADROOM, 0.95, 0.05
+
+    def __init__(self):
+        self.value = ITL_HEADROOM
+        self.steps = self.misses = 0
+
+    def observe(self, seconds: float, target_s: float) -> None:
+        self.steps += 1
+        if seconds > target_s:
+            self.misses += 1
+            self.value = max(self.LO, self.value * (1 - self.MISS))
+        else:
+            self.value = min(self.HI, self.value * (1 + self.MISS / 99))
 
 
 def itl_floor_s(cost: Callable[[list[Row]], float], rows: list[Row]) -> float:

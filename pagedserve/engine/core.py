@@ -424,6 +424,7 @@ class EngineCore:
             if self.step_cost is not None and so.seqs:
                 fitted = self.step_cost.model is not None
                 self.step_cost.observe(self.last_stats.rows, step_s)
+                self.scheduler.observe_step_time(step_s)
                 if not fitted and self.step_cost.model is not None:   # the first fit (no calibration cached)
                     self._check_floor(self.scheduler.classes, False)
         return out

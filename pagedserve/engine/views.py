@@ -63,7 +63,12 @@ def scheduler_view(core) -> dict:
         "limits": {"max_num_seqs": sch.cfg.max_num_seqs, "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
                    "max_model_len": sch.cfg.max_model_len,
                    "itl_floor_ms_at_startup": None if core.startup_itl_floor_ms is None
-                   else round(core.startup_itl_floor_ms, 1)},
+                   else round(core.startup_itl_floor_ms, 1),
+                   # the share of an ITL target steps are planned under now (traffic.StepHeadroom), and of the
+                   # steps an ITL target bound, how many ran past it
+                   "itl_headroom": None if sch.classes is None or sch.step_cost is None
+                   else round(sch.headroom.value, 3),
+                   "itl_steps_past_target": [sch.headroom.misses, sch.headroom.steps]},
     }
 
 

@@ -162,7 +162,9 @@ def simulate(reqs: list[SimRequest], shape: ModelShape, cost, args: EngineArgs, 
             clock[0] = pending[-1][1].arrival_s
             continue
         so = sch.schedule()
-        clock[0] += cost.step_time(step_features(shape, so.seqs))
+        dt = cost.step_time(step_features(shape, so.seqs))
+        clock[0] += dt
+        sch.observe_step_time(dt)
         res.steps += 1
         res.preemptions += len(so.preempted)
         sampled = {s.request_id: [FILLER_TOKEN] * s.sampling.num_samples for s in so.seqs if s.sampling}

@@ -318,3 +318,29 @@ def test_no_step_passes_the_target_when_the_target_is_over_the_floor(data):
             held += 1
             assert row_cost(rows) <= ITL_HEADROOM * target_ms / 1e3 + 1e-12, (rows, floor, before, [q.request_id for q in so.seqs], s.last_limits)
     assert not any(r.status is RequestStatus.RUNNING and r not in s.running for r in s.requests.values())
+
+
+def test_the_fed_back_share_lets_about_one_step_in_a_hundred_pass_its_target():
+    """traffic.StepHeadroom: steps planned at share x target whose measured time is the plan times a noisy factor
+    (a host whose steps run 0.9-1.8x their prediction, as issue 54 measured on a 2-core host) settle where about one
+    in a hundred passes the target, whatever the noise's scale; the share stays in [LO, HI], and a target no step
+    can meet drives it to LO, not below."""
+    import random
+    from pagedserve.core.traffic import StepHeadroom
+
+    for spread in (1.2, 1.8):
+        rng, h, target = random.Random(3), StepHeadroom(), 0.150
+        assert h.value == ITL_HEADROOM                                  # before any step
+        late = []
+        for i in range(20_000):
+            planned = target * h.value
+            took = planned * (0.9 + (spread - 0.9) * rng.random() ** 6)   # mostly near the plan, a long tail
+            h.observe(took, target)
+            if i >= 10_000:
+                late.append(took > target)
+        assert 0.004 <= sum(late) / len(late) <= 0.02, (spread, sum(late) / len(late), h.value)
+        assert StepHeadroom.LO <= h.value <= StepHeadroom.HI
+    h = StepHeadroom()
+    for _ in range(500):
+        h.observe(1.0, 0.1)
+    assert h.value == StepHeadroom.LO and h.misses == h.steps == 500

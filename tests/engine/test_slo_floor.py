@@ -77,6 +77,11 @@ def test_without_a_calibration_a_probe_at_start_up_fits_the_model_and_leaves_not
     assert core.kv.num_free_blocks == core.kv.pool.num_usable_blocks and len(core.runner.batch) == 0
     plain = LLMEngine(EngineArgs(max_model_len=512, num_kv_blocks=64))
     assert greedy(eng) == greedy(plain)
+    # the engine feeds each step's time back to the share it plans ITL-bound steps under (traffic.StepHeadroom)
+    h = eng.core.scheduler.headroom
+    assert h.steps > 0 and h.misses == 0 and h.value > 0.8     # (from 0.8: steps within the target raise it)
+    limits = eng.scheduler_view()["limits"]
+    assert limits["itl_headroom"] == round(h.value, 3) and limits["itl_steps_past_target"] == [0, h.steps]
 
 
 def greedy(eng) -> dict[str, list[int]]:
