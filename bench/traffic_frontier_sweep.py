@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--json", default=None, help="write every run's result here")
     ap.add_argument("--from-json", default=None, help="print the table of an earlier run's --json, run nothing")
+    ap.add_argument("--static-from", default=None, help="an earlier run's --json whose static budgets are taken "
+                    "(those --budgets names again are run anew)")
     a = ap.parse_args()
     if a.from_json:
         with open(a.from_json) as f:
@@ -56,7 +58,10 @@ def main():
         print("no classes (priorities only), one run per max_num_batched_tokens:", flush=True)
         static = {int(b): run(["--no-classes", "--engine-args", json.dumps(
             {"max_num_batched_tokens": int(b), "long_prefill_token_threshold": min(int(b), 256)})], a)
-            for b in a.budgets.split(",")}
+            for b in a.budgets.split(",") if b}
+        if a.static_from:                 # budgets measured in an earlier run of the same tree, not run again
+            with open(a.static_from) as f:
+                static = {**{int(k): v for k, v in json.load(f)["static"].items()}, **static}
     unclassed = static[max(static)]
     rows = []
     print(f"\n| ITL target ms | classes: ITL p99 (x target) / TTFT p99 ms / batch tok/s | best static meeting both "

@@ -31,7 +31,7 @@ from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidat
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
 from pagedserve.core.traffic import MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, StepHeadroom, TrafficClasses, \
-    itl_floor_s, least_step_rows, step_headroom
+    itl_floor_s, least_step_rows
 from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
 if TYPE_CHECKING:                             # numpy (the grammar's masks): not imported by the plain-Python core
@@ -119,10 +119,10 @@ class Scheduler:
         self.spec_stats = SpecStats()
         self.spec_prior = drafting.acceptance_prior() if drafting is not None else AcceptancePrior()
         self.last_limits: dict[str, str] = {}     # class name -> the limit that held it back in the last step
-        # the share of an ITL target steps are planned under, kept by their measured times (observe_step_time);
-        # the ITL target the last step was planned for (None: none bound it)
-        self.headroom = StepHeadroom()
-        self.planned_itl_s: float | None = None
+        # the share of a time target steps are planned under, kept by their measured times (observe_step_time):
+        # one for steps an ITL target binds, one for those half a TTFT target binds; the last step's (share, target)
+        self.headroom, self.ttft_headroom = StepHeadroom(), StepHeadroom()
+        self.planned: tuple[StepHeadroom, float] | None = None
         self._num_admitted = 0                    # waiting requests admitted in the step being formed
         # sequences that ended (any way) since the last schedule(): the next SchedulerOutput names them, so
         # the runner and the sampler drop what they keep per sequence (at most the requests of one step
@@ -663,10 +663,10 @@ class Scheduler:
                 for d, nr, nw in zip(self.classes.describe(), running, waiting)]
 
     def observe_step_time(self, seconds: float) -> None:
-        """The measured time of the step schedule() last formed (the engine's, or the simulator's model): where an
-        ITL target bound it, it moves the planning share (StepHeadroom)."""
-        if self.planned_itl_s is not None:
-            self.headroom.observe(seconds, self.planned_itl_s)
+        """The measured time of the step schedule() last formed (the engine's, or the simulator's model): where a
+        time target bound it, it moves that target's planning share (StepHeadroom)."""
+        if self.planned is not None:
+            self.planned[0].observe(seconds, self.planned[1])
 
     def itl_floor_s(self) -> float | None:
         """The least ITL target the host can hold now (traffic.least_step_rows on the running and waiting
@@ -741,14 +741,12 @@ class _StepLimits:
         itl = [cls[r.traffic_class].itl_p99_ms for r in sch.running
                if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
         ttft = [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
-        self.target = None
-        sch.planned_itl_s = None
+        self.target = sch.planned = None
         if self.cost is not None and (itl or ttft):
-            if itl and min(itl) <= min(ttft, default=math.inf):     # an ITL target binds: the share fed back
-                sch.planned_itl_s = min(itl) / 1e3
-                self.target = sch.planned_itl_s * sch.headroom.value
-            else:
-                self.target = min(ttft) / 1e3 * step_headroom(self.cost)
+            bound = min(itl + ttft) / 1e3
+            share = sch.headroom if itl and min(itl) <= min(ttft, default=math.inf) else sch.ttft_headroom
+            sch.planned = (share, bound)
+            self.target = bound * share.value
         # the one-token rows the step will carry whatever comes first (issue 54: a prefill chunk sized before
         # them pushed the step past the target): every decode of a class with an ITL target, and one of each
         # other class (its deepest); each leaves this map when its class's decode is planned. A prompt's last

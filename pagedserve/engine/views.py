@@ -64,11 +64,13 @@ def scheduler_view(core) -> dict:
                    "max_model_len": sch.cfg.max_model_len,
                    "itl_floor_ms_at_startup": None if core.startup_itl_floor_ms is None
                    else round(core.startup_itl_floor_ms, 1),
-                   # the share of an ITL target steps are planned under now (traffic.StepHeadroom), and of the
-                   # steps an ITL target bound, how many ran past it
-                   "itl_headroom": None if sch.classes is None or sch.step_cost is None
-                   else round(sch.headroom.value, 3),
-                   "itl_steps_past_target": [sch.headroom.misses, sch.headroom.steps]},
+                   # the share of an ITL target (of half a TTFT target) steps are planned under now
+                   # (traffic.StepHeadroom), and of the steps such a target bound, [how many ran past it, all]
+                   **({} if sch.classes is None or sch.step_cost is None else {
+                       "itl_headroom": round(sch.headroom.value, 3),
+                       "itl_steps_past_target": [sch.headroom.misses, sch.headroom.steps],
+                       "ttft_headroom": round(sch.ttft_headroom.value, 3),
+                       "ttft_steps_past_target": [sch.ttft_headroom.misses, sch.ttft_headroom.steps]})},
     }
 
 
