@@ -35,6 +35,11 @@ class FreeBlockQueue:
         last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
         self.num_free += 1
 
+    def appendleft(self, b: KVBlock) -> None:
+        first = self.head.next
+        self.head.next, b.prev, b.next, first.prev = b, self.head, first, b
+        self.num_free += 1
+
     def remove(self, b: KVBlock) -> None:
         b.prev.next, b.next.prev = b.next, b.prev
         b.prev = b.next = None
@@ -109,8 +114,12 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered: list[KVBlock]) -> None:
-        """Drop one reference each; a block whose count reaches 0 joins the free queue's tail (so
-        pass a request's blocks tail-first: its later blocks are then evicted before earlier ones)."""
+        """Drop one reference each; a block whose count reaches 0 joins the free queue's tail when it holds a
+        cached prefix (so pass a request's blocks tail-first: its later blocks are then evicted before earlier
+        ones), its head when it holds none: nothing is lost by handing it out next, and its memory is already
+        mapped. Taking the never-used blocks first instead walked requests through the whole pool, paying each
+        page's first touch (on the project's VMs ~33 us a page in order, ~560 us scattered across the pool's
+        planes: 0.8 s in the first step of a process) and growing RSS toward the whole pool."""
         for b in ordered:
             if b is self.null_block:
                 continue
@@ -118,7 +127,9 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.block_hash is None or not self.enable_caching:
                     b.block_hash = None
-                self.free_queue.append(b)
+                    self.free_queue.appendleft(b)
+                else:
+                    self.free_queue.append(b)
 
     def cache_block(self, b: KVBlock, block_hash: int) -> None:
         if not self.enable_caching or b.block_hash is not None:

@@ -41,7 +41,7 @@ from pagedserve.native_build import sources_for
 from pagedserve.runner.draft_runner import DraftRunner, load_draft
 from pagedserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, RunnerOutput
 from pagedserve.sampling_params import POOLING_TYPES, PoolingParams, SamplingParams
-from pagedserve.sim.probe import load_probe, probe_cache_path, probe_step_times, save_probe
+from pagedserve.sim.probe import load_probe, probe_cache_path, probe_step_times, save_probe, warm_blocks
 from pagedserve.sim.cost_model import PROFILES, FittedCost, LiveCost, RooflineCost, cache_path, shape_of_engine
 from pagedserve.tokenizer import load_tokenizer
 
@@ -299,8 +299,10 @@ class EngineCore:
         t0, path = time.perf_counter(), probe_cache_path(cache_path(args))
         with phase("step-time probe"):
             samples, how = load_probe(path), "read from the cache"
-            if samples is None:
-                touch = self.runner.touch_blocks if self.executor.tp.size == 1 else None
+            touch = self.runner.touch_blocks if self.executor.tp.size == 1 else None
+            if samples is not None:
+                warm_blocks(self.kv, self.max_model_len, touch)
+            else:
                 samples, how = probe_step_times(self.executor.execute, self.kv, self.max_model_len,
                                                 args.max_num_batched_tokens, touch), "timed"
                 if samples:

@@ -11,13 +11,20 @@ def test_null_block_is_reserved():
 
 
 def test_free_queue_order_after_frees():
-    pool = BlockPool(6)
-    a = pool.get_new_blocks(3)            # 1, 2, 3
-    pool.free_blocks([a[1]])              # 2 goes to the tail
-    assert pool.free_queue.ids() == [4, 5, 2]
-    pool.free_blocks(reversed([a[0], a[2]]))   # tail-first: 3 then 1
-    assert pool.free_queue.ids() == [4, 5, 2, 3, 1]
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]
+    """A freed block that holds no cached prefix goes to the queue's head (handed out next: nothing is lost, and
+    its memory is mapped already); one that holds a cached prefix to its tail (evicted least recently freed first),
+    behind the never-used blocks."""
+    pool = BlockPool(7)
+    a = pool.get_new_blocks(4)            # 1, 2, 3, 4
+    pool.cache_block(a[0], 101)
+    pool.cache_block(a[2], 103)
+    pool.free_blocks([a[1]])              # 2 holds no prefix: the head
+    assert pool.free_queue.ids() == [2, 5, 6]
+    pool.free_blocks(reversed(a[:1] + a[2:]))   # tail-first: 4 (no prefix: head), 3 and 1 (cached: tail)
+    assert pool.free_queue.ids() == [4, 2, 5, 6, 3, 1]
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [4, 2, 5, 6] and pool.num_evictions == 0
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [3] and pool.num_evictions == 1
+    assert pool.lookup(101) is a[0] and pool.lookup(103) is None
 
 
 def test_refcounts_and_touch():
