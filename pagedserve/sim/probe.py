@@ -42,12 +42,14 @@ def probe_tables(kv, max_model_len: int) -> tuple[int, int]:
 
 
 def warm_blocks(kv, max_model_len: int, touch) -> None:
-    """Write the blocks the probe would (taken, touched, given back: free blocks that hold nothing are handed out
-    first, so the first requests write into mapped memory), where the probe's samples come from the cache: the
-    first step of a process otherwise paid ~0.8 s of first touches (issue 54, the AVX2 host's TTFT p99)."""
+    """Write one of the probe's tables' blocks (taken, touched, given back: free blocks that hold nothing are handed
+    out first, so the first requests write into mapped memory), where the probe's samples come from the cache: the
+    first step of a process otherwise paid ~0.9 s of first touches (issue 54, the AVX2 host's TTFT p99). One table
+    (64 blocks of the default model: ~0.6 s on that host's VMs, whose first touches are slow) is more than a first
+    step writes."""
     ctx, n = probe_tables(kv, max_model_len)
     if ctx and touch is not None:
-        blocks = kv.pool.get_new_blocks(2 * n)
+        blocks = kv.pool.get_new_blocks(n)
         try:
             touch([b.block_id for b in blocks])
         finally:
