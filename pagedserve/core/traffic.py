@@ -73,11 +73,12 @@ def step_headroom(cost) -> float:
 
 class StepHeadroom:
     """The share of a time target the scheduler plans a step under (one for steps an ITL target binds, while its
-    class decodes; one for steps half a TTFT target binds), kept by feedback on the steps' measured times: a step past its target shrinks the share by MISS, a step within it grows
-    it by MISS / 99, so about one such step in a hundred runs past the target (a quantile tracker; issue 54 item 3:
-    the fixed share, step_headroom, left the ITL p99 1.1-1.2x over a target near the floor on one host and 0.8x
-    under a larger one, its batch work given away). Starts at ITL_HEADROOM (a share too high comes down in a few
-    misses; one too low climbs a step at a time), kept in [LO, HI]. The floor is still read with step_headroom (a
+    class decodes; one for steps half a TTFT target binds), kept by feedback on the steps' measured times: a step
+    past its target shrinks the share by MISS, a step within it grows it by MISS / 99, so about one such step in a
+    hundred runs past the target (a quantile tracker; issue 54 item 3: the fixed share, step_headroom, left the ITL
+    p99 1.1-1.2x over a target near the floor on one host and 0.8x under a larger one, its batch work given away).
+    Starts at ITL_HEADROOM (a share too high comes down in a few misses; one too low climbs a step at a time), kept
+    in [LO, HI]. The floor is still read with step_headroom (a
     property of the host and its model, not of the controller's state)."""
 
     LO, HI, MISS = MIN_HEADROOM, 0.95, 0.05

@@ -92,4 +92,3 @@ def calibrate(args: EngineArgs, waves: list[list[SimRequest]] | None = None, use
     log.info("calibrated on %d steps in %.0f s (median relative error %.1f%%): %s", len(samples),
              time.perf_counter() - t0, 100 * model.rel_error_p50, path)
     return model
-

@@ -116,13 +116,16 @@ def code_digest() -> str:
 def save_probe(path: str, samples: list) -> None:
     """The probe's ((start, tokens, samples) rows, seconds) pairs for the next start on this host; an unwritable
     folder is a warning (the next start probes again)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    kept = {"host": host_key(), "code": code_digest(), "samples": [[[list(r) for r in rows], s] for rows, s in samples]}
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"host": host_key(), "code": code_digest(), "samples": [[[list(r) for r in rows], s] for rows, s in samples]}, f)
+            json.dump(kept, f)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("step-time probe: could not keep its samples in %s (%s); the next start probes again", path, e)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_probe(path: str) -> list | None:
