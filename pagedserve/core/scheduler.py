@@ -717,6 +717,9 @@ def _sort_key(r: Request) -> tuple[int, ...]:
     return r.sort_key
 
 
+_CHUNK = object()                                 # _StepLimits.forced's key for the step's forced prefill chunk
+
+
 class _StepLimits:
     """One step's accounting of traffic classes: sequences running and tokens taken per class, the rows
     planned so far (for the step-time prediction under an ITL target), and the limit that held each
@@ -760,6 +763,13 @@ class _StepLimits:
                         self.forced[r.request_id] = row
                     elif row > self.forced.get(c, (-1, 0, 0)):
                         self.forced[c] = row
+            # and the step's one forced prefill chunk (prompts never stall), where any prompt has tokens left:
+            # counted before the decodes of classes without a target are admitted, as least_step_rows counts it
+            starts = [r.num_computed_tokens for r in sch.running if r.num_computed_tokens + 1 < r.num_tokens]
+            if sch.num_seqs() < sch.cfg.max_num_seqs:
+                starts += [r.num_computed_tokens for _, r in sch.waiting]
+            if starts:
+                self.forced[_CHUNK] = (max(starts), MIN_PREFILL_CHUNK, 1)
         self.held: dict[str, str] = {}            # class name -> what held it back
         self.stopped = False                      # a class lacked slots or blocks: no class after it is admitted
 
@@ -788,6 +798,8 @@ class _StepLimits:
             return self.over((start, k, 1 if start + k >= req.num_tokens else 0))
         if not over(n):
             return n
+        if not self.prefill:                      # this is the step's forced chunk: counted as itself now
+            self.forced.pop(_CHUNK, None)
         lo = floor = min(n, MIN_PREFILL_CHUNK) if not self.prefill else 0   # one forced chunk a step, not two
         if floor < n and not over(floor):
             hi = n                                # over(lo) is False, over(hi) is True
@@ -816,6 +828,7 @@ class _StepLimits:
         self.rows[req.request_id] = (start, n, 1 if start + n >= req.num_tokens else 0)
         if n > 1 or start + n < req.num_tokens:
             self.prefill += n
+            self.forced.pop(_CHUNK, None)
         else:
             self.decodes[c] += 1
             self.forced.pop(req.request_id, None)
