@@ -86,7 +86,8 @@ def resolve(a):
     EngineArgs.add_cli_args(ap)
     add_simulate_flags(ap)
     argv = ["--hardware", a.hardware, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-            "--max-num-seqs", str(a.max_num_seqs)] + ([] if a.model is None else ["--model", a.model])
+            "--max-num-seqs", str(a.max_num_seqs)] + ([] if a.model is None else ["--model", a.model]) + \
+        ([] if getattr(a, "max_model_len", None) is None else ["--max-model-len", str(a.max_model_len)])
     shape, cost, _, blocks, max_len = sim_resolve(ap.parse_args(argv))
     return shape, cost, blocks, max_len
 

@@ -1,8 +1,8 @@
 """`pagedserve router --backend URL --backend URL ...`: one OpenAI-compatible front over data-parallel
 `pagedserve serve` replicas. Each request goes where `RoutingPolicy` says (the replica caching its
 prefix, unless it is much busier); bodies and SSE streams are passed through as they come. Replicas
-are health-checked every second; one that fails (a refused connection, a failed health check) gets
-no new requests until it answers again. A request whose replica fails before answering is retried
+are health-checked every second; one that fails (a refused connection, a failed health check, three
+checks in a row timing out) gets no new requests until it answers again. A request whose replica fails before answering is retried
 on another; one whose replica dies mid-answer gets a clear error (a 502, or an SSE `error` event
 before `[DONE]`), never a hang."""
 from __future__ import annotations
@@ -50,12 +50,23 @@ def _state(http: Request) -> RouterState:
     return http.app.state.router
 
 
+SLOW_CHECKS_DOWN = 3                                  # health checks timing out in a row that take a replica out
+CHECK_TIMEOUT_S = 2.0
+
+
 async def check(st: RouterState, r: Replica) -> None:
-    """One health check: /health answers 200; the queue (running + waiting) from /metrics."""
+    """One health check: /health answers 200; the queue (running + waiting) from /metrics. A refused
+    connection or another status takes the replica out at once; a check that times out only when
+    SLOW_CHECKS_DOWN do in a row (a replica busy with a long step answers late, it is not down: two
+    replicas on a loaded host were both taken out by one late answer each, and every request refused)."""
     try:
-        ok = (await st.client.get(r.url + "/health", timeout=2.0)).status_code == 200
+        ok = (await st.client.get(r.url + "/health", timeout=CHECK_TIMEOUT_S)).status_code == 200
         if ok:
-            r.queue = _queue(await st.client.get(r.url + "/metrics", timeout=2.0))
+            r.queue = _queue(await st.client.get(r.url + "/metrics", timeout=CHECK_TIMEOUT_S))
+        r.slow_checks = 0
+    except httpx.TimeoutException:
+        r.slow_checks += 1
+        ok = r.healthy and r.slow_checks < SLOW_CHECKS_DOWN
     except httpx.HTTPError:
         ok = False
     if ok != r.healthy:

@@ -30,6 +30,7 @@ class Replica:
     queue: int = 0                                      # running + waiting, as the replica last reported
     prefixes: OrderedDict = field(default_factory=OrderedDict)   # chain hash -> None, LRU order
     sent: int = 0
+    slow_checks: int = 0                                # health checks in a row that timed out
 
     @property
     def load(self) -> int:

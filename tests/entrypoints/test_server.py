@@ -246,13 +246,14 @@ def test_disconnect_mid_stream_frees_blocks(server):
     with httpx.stream("POST", base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"prompt": "Write a very long essay about the ocean.", "max_tokens": 2000,
                             "ignore_eos": True, "stream": True}, timeout=30) as r:
-        got = 0
+        assert r.status_code == 200, r.read()
+        lines = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                got += 1
-            if got >= 3:
+                lines.append(line)
+            if len(lines) >= 3:
                 break
-        assert engine.has_unfinished_requests()
+        assert engine.has_unfinished_requests(), lines
     t = time.time()
     while engine.has_unfinished_requests() and time.time() - t < 1.0:
         time.sleep(0.02)

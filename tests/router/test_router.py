@@ -42,6 +42,48 @@ def test_policy_follows_prefixes_and_load():
         RoutingPolicy(["http://a"], "random")
 
 
+def test_a_slow_health_answer_takes_a_replica_out_only_after_three_in_a_row(monkeypatch):
+    """A replica whose /health answers late (busy with a long step) stays in for two late checks and goes out at
+    the third; an answer in time resets the count; a refused connection takes one out at once."""
+    import asyncio
+    import socket
+
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from pagedserve.router import app as router_app
+    delay = {"s": 0.0}
+    slow = FastAPI()
+
+    @slow.get("/health")
+    async def health():
+        await asyncio.sleep(delay["s"])
+        return {"status": "ok"}
+
+    @slow.get("/metrics")
+    async def metrics():
+        return PlainTextResponse("pagedserve:num_requests_running 0\npagedserve:num_requests_waiting 0\n")
+    monkeypatch.setattr(router_app, "CHECK_TIMEOUT_S", 0.3)
+    with socket.socket() as sock:                          # a port nothing listens on: refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with serve_in_thread(slow) as base:
+        async def checks(seq):
+            st = router_app.RouterState(RoutingPolicy([base, dead]), httpx.AsyncClient(), 1.0)
+            r, gone = st.policy.replicas
+            seen = []
+            for late in seq:
+                delay["s"] = 0.6 if late else 0.0
+                await router_app.check(st, r)
+                await router_app.check(st, gone)
+                seen.append((r.healthy, gone.healthy))
+            await st.client.aclose()
+            return seen
+        seen = asyncio.run(checks([True, True, False, True, True, True, False]))
+    assert [h for h, _ in seen] == [True, True, True, True, True, False, True]
+    assert not any(g for _, g in seen)
+
+
 def family_prompts(seed: int, n_families: int = 4, per_family: int = 10) -> list[str]:
     rng = random.Random(seed)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(180)) for _ in range(n_families)]
