@@ -42,15 +42,15 @@ def capacity(a, shape, cost, blocks: int, max_len: int) -> float:
 def workload(rate: float, a, cap: float, priorities: bool) -> list[SimRequest]:
     """The flood: 2 x max_num_seqs batch prompts waiting at t = 0, then more arriving as a Poisson process at
     1.2x what the batch class alone drains (`cap` req/s) until the window's end (its queue only grows); and
-    rate x --window interactive requests arriving as a Poisson process from t = 0.5 s."""
+    rate x --window interactive requests arriving as a Poisson process from t = 0.5 s (--warmup where given)."""
     rng = random.Random(a.seed)
     batch, t = [batch_prompt(rng, a) for _ in range(2 * a.max_num_seqs)], 0.0
-    while t < a.window + 0.5:
+    while t < a.window + getattr(a, "warmup", 0.5):
         t += rng.expovariate(1.2 * cap)
         batch.append(SimRequest(t, batch_prompt(rng, a).prompt_token_ids, a.batch_out, 1, 10))
     if not priorities:
         batch = [SimRequest(r.arrival_s, r.prompt_token_ids, r.output_len, 1, 0) for r in batch]
-    t, inter = 0.5, []
+    t, inter = getattr(a, "warmup", 0.5), []
     for _ in range(round(rate * a.window)):
         inter.append(SimRequest(t, tuple(rng.randrange(17, 30000) for _ in range(rng.randint(24, 80))),
                                 a.inter_out, 1, 0))

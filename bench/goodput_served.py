@@ -5,10 +5,10 @@ priorities only, and with neither (every request priority 0, first come first se
 
 The workload is goodput.py's, request for request (its `workload(rate)`: a backlog of 2 x max_num_seqs
 --batch-prompt-token prompts at t = 0, more arriving at 1.2x the batch class's own rate, and Poisson interactive
-arrivals of 24-80-token prompts from t = 0.5 s), replayed open-loop against `pagedserve serve` (one server a mode,
+arrivals of 24-80-token prompts from t = --warmup s), replayed open-loop against `pagedserve serve` (one server a mode,
 the same flags as the simulator's engine) with `ignore_eos` so every request's length is the workload's. Each
-interactive request is streamed and timed at the client; one that has not finished --grace seconds after the
-window is a miss (then every request is cut, and the server drained before the next rate). The simulator runs the
+interactive request is streamed and timed at the client; one that has not finished by the time the last one would
+have at its targets (+ --grace s) is a miss (then every request is cut, and the server drained before the next rate). The simulator runs the
 same requests on this host's fitted step-time model (`--hardware calibrated`).
 
 The rate is bisected in log space as in goodput.py (fewer steps: --iters). Per mode: served and simulated goodput,
@@ -98,12 +98,14 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
                 body["priority"] = r.priority
             if i in inter:
                 out[i] = await interactive(client, base, body, a.ttft_ms, a.itl_ms)
+                out[i]["arrival_s"] = round(r.arrival_s, 2)
             else:
                 await batch(client, base, body)
         for i, r in enumerate(reqs):
             tasks.append(asyncio.create_task(send(i, r)))
         last_inter = max(reqs[i].arrival_s for i in inter)
-        deadline = t0 + last_inter + a.grace
+        # the last request's whole stream at its targets (first token, then every gap at the ITL target), + grace
+        deadline = t0 + last_inter + a.ttft_ms / 1e3 + a.inter_out * a.itl_ms / 1e3 + a.grace
         pending = [tasks[i] for i in inter]
         while pending and time.perf_counter() < deadline:
             done, _ = await asyncio.wait(pending, timeout=max(0.05, deadline - time.perf_counter()))
@@ -124,7 +126,8 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
             "ttft_p99_ms": round(pctl([o["ttft_ms"] for o in out.values()], 99), 1),
             "worst_gap_p99_ms": round(pctl([o["worst_gap_ms"] for o in out.values()], 99), 1),
             "batch_out_tok_s": round((gen - inter_tokens) / wall, 2), "wall_s": round(wall, 1),
-            "errors": errors[:3], "num_errors": len(errors)}
+            "errors": errors[:3], "num_errors": len(errors),
+            "requests": [{k: round(v, 1) if isinstance(v, float) else v for k, v in out[i].items()} for i in sorted(out)]}
 
 
 def pctl(xs, q):
@@ -152,7 +155,10 @@ def main() -> int:
     ap.add_argument("--batch-prompt", type=int, default=1500)
     ap.add_argument("--batch-out", type=int, default=256)
     ap.add_argument("--window", type=float, default=30.0, help="seconds of interactive arrivals")
-    ap.add_argument("--grace", type=float, default=15.0, help="seconds after the last interactive arrival")
+    ap.add_argument("--warmup", type=float, default=10.0,
+                    help="seconds the flood runs before the first interactive arrival (both sides)")
+    ap.add_argument("--grace", type=float, default=5.0,
+                    help="seconds past the last interactive arrival + TTFT target + inter-out x ITL target")
     ap.add_argument("--min-inter", type=int, default=15, help="the search starts at the rate giving this many")
     ap.add_argument("--inter-out", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -197,7 +203,8 @@ def main() -> int:
                 r["rate"] = round(rate, 4)
                 drain(base)
                 curve.append(r)
-                print(f"  {mode} served at {rate:.3f}/s: {json.dumps(r)}", flush=True)
+                print(f"  {mode} served at {rate:.3f}/s: {json.dumps({k: v for k, v in r.items() if k != 'requests'})}",
+                      flush=True)
                 return r
             rate, best = max_rate_meeting({"miss": 0.01}, at_served, lo=lo, hi=2 * lo, iters=a.iters, cap=64.0)
         finally:
