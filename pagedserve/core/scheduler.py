@@ -30,7 +30,7 @@ from pagedserve.core.spec_decode import SETUP_HORIZON, AcceptancePrior, Candidat
     choose_drafts, ngram_match, update_acceptance
 from pagedserve.core.step import DRAFT_PENDING, PoolRow, PromptLogprobsRow, ScheduledSeq, SchedulerOutput, \
     SeqUpdate
-from pagedserve.core.traffic import MIN_PREFILL_CHUNK, TTFT_STEP_SHARE, StepHeadroom, TrafficClasses, \
+from pagedserve.core.traffic import MIN_PREFILL_CHUNK, StepHeadroom, TrafficClasses, TtftShare, \
     itl_floor_s, least_step_rows
 from pagedserve.errors import CONTEXT_LENGTH_EXCEEDED, ParamError, QueueFullError
 
@@ -122,6 +122,7 @@ class Scheduler:
         # the share of a time target steps are planned under, kept by their measured times (observe_step_time):
         # one for steps an ITL target binds, one for those half a TTFT target binds; the last step's (share, target)
         self.headroom, self.ttft_headroom = StepHeadroom(), StepHeadroom()
+        self.ttft_share = TtftShare()             # the share of a TTFT target a step may take, kept by first tokens
         self.planned: tuple[StepHeadroom, float] | None = None
         self._num_admitted = 0                    # waiting requests admitted in the step being formed
         # sequences that ended (any way) since the last schedule(): the next SchedulerOutput names them, so
@@ -602,6 +603,10 @@ class Scheduler:
     def _apply_token(self, req: Request, row_id: str, k: int, tok: int, now: float, forked: bool = False) -> SeqUpdate:
         if req.first_token_time is None:
             req.first_token_time = now
+            if self.classes is not None and not forked:
+                target = self.classes[req.traffic_class].ttft_p99_ms
+                if target is not None:
+                    self.ttft_share.observe(now - req.arrival_time, target / 1e3)
         req.last_token_time = now
         req.append_token(tok)
         p = req.params
@@ -739,11 +744,11 @@ class _StepLimits:
         self.decodes = [0] * len(cls)             # decodes per class in this step
         self.cost = sch.step_cost
         # the step's time target: the tightest ITL target among classes with running decodes (a decode: a
-        # request past its prompt), and always TTFT_STEP_SHARE of any TTFT target (an arrival waits for
-        # the step in flight, then needs its own)
+        # request past its prompt), and always a share of any TTFT target (an arrival waits for the step in
+        # flight, then needs its own): at most TTFT_STEP_SHARE, less while first tokens come late (TtftShare)
         itl = [cls[r.traffic_class].itl_p99_ms for r in sch.running
                if r.output_token_ids and cls[r.traffic_class].itl_p99_ms is not None]
-        ttft = [TTFT_STEP_SHARE * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
+        ttft = [sch.ttft_share.value * c.ttft_p99_ms for c in cls.classes if c.ttft_p99_ms is not None]
         self.target = sch.planned = None
         if self.cost is not None and (itl or ttft):
             bound = min(itl + ttft) / 1e3

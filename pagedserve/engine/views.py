@@ -64,13 +64,16 @@ def scheduler_view(core) -> dict:
                    "max_model_len": sch.cfg.max_model_len,
                    "itl_floor_ms_at_startup": None if core.startup_itl_floor_ms is None
                    else round(core.startup_itl_floor_ms, 1),
-                   # the share of an ITL target (of half a TTFT target) steps are planned under now
-                   # (traffic.StepHeadroom), and of the steps such a target bound, [how many ran past it, all]
+                   # the share of an ITL target (of a TTFT target's step share) steps are planned under now
+                   # (traffic.StepHeadroom), and of the steps such a target bound, [how many ran past it, all];
+                   # the share of a TTFT target a step may take (traffic.TtftShare) and [late first tokens, all]
                    **({} if sch.classes is None or sch.step_cost is None else {
                        "itl_headroom": round(sch.headroom.value, 3),
                        "itl_steps_past_target": [sch.headroom.misses, sch.headroom.steps],
                        "ttft_headroom": round(sch.ttft_headroom.value, 3),
-                       "ttft_steps_past_target": [sch.ttft_headroom.misses, sch.ttft_headroom.steps]})},
+                       "ttft_steps_past_target": [sch.ttft_headroom.misses, sch.ttft_headroom.steps],
+                       "ttft_step_share": round(sch.ttft_share.value, 3),
+                       "first_tokens_past_ttft_target": [sch.ttft_share.misses, sch.ttft_share.steps]})},
     }
 
 

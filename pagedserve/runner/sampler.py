@@ -150,15 +150,18 @@ class Sampler:
         # generators make a seeded request's draws independent of whatever else is in the batch.
         # q = -log(u), u ~ U[0, 1): torch's exponential_ is ~3.5x slower on the CPU (1.45 ms a row of
         # 49,152 here, most of a sampled token's cost); u = 0 gives q = inf, a weight of 0.
-        u = torch.empty_like(probs).uniform_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            g = self._generator(r)
+        # (the engine's generator fills the batch only where some row has no generator of its own)
+        gens = [self._generator(r) for r in reqs]
+        u = torch.empty_like(probs)
+        if any(g is None for g in gens):
+            u.uniform_(generator=self.generator)
+        for i, (r, g) in enumerate(zip(reqs, gens)):
             if g is not None:
                 if r.request_id in keep_states:
                     self.draw_states.setdefault(r.request_id, []).append(g.get_state())
                 u[i].uniform_(generator=g)
         sampled = (probs / u.log_().neg_()).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled) if any(greedy) else sampled
 
 
 def _penalized(row: SamplingRow) -> bool:

@@ -344,3 +344,36 @@ def test_the_fed_back_share_lets_about_one_step_in_a_hundred_pass_its_target():
     for _ in range(500):
         h.observe(1.0, 0.1)
     assert h.value == StepHeadroom.LO and h.misses == h.steps == 500
+
+
+def test_late_first_tokens_shrink_the_ttft_step_share_and_prompt_chunks_with_it():
+    """traffic.TtftShare, fed by the scheduler's first tokens (its clock less the request's arrival): while first
+    tokens of the class with a TTFT target come past it, the share of that target a step may take shrinks (so
+    does the prefill a step carries under a step-time model); first tokens in time grow it back, never past
+    TTFT_STEP_SHARE; a class without a TTFT target, and a fork's first token, feed nothing."""
+    from pagedserve.core.traffic import TTFT_STEP_SHARE, TtftShare
+    now = [0.0]
+    classes = [{"name": "interactive", "priority": 0, "ttft_p99_ms": 1000}, {"name": "batch", "priority": 10}]
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=512, max_num_seqs=8),
+                  KVCacheManager(400, 16, False, 0), clock=lambda: now[0], classes=TrafficClasses.parse(classes),
+                  step_cost=lambda rows: 0.001 * sum(n for _, n, _ in rows))      # 1 ms a row
+    assert s.ttft_share.value == TTFT_STEP_SHARE
+
+    def first_tokens(klass, wait_s, k):
+        for i in range(k):
+            r = mk(f"{klass}{now[0]}.{i}", 20, klass, max_tokens=1)
+            r.arrival_time = now[0]
+            s.add_request(r)
+            now[0] += wait_s
+            step(s)
+    first_tokens(1, 5.0, 10)                           # the batch class: no TTFT target, nothing observed
+    assert s.ttft_share.steps == 0 and s.ttft_share.value == TTFT_STEP_SHARE
+    first_tokens(0, 2.0, 10)                           # 2 s against 1 s: each one late
+    assert s.ttft_share.misses == s.ttft_share.steps == 10 and s.ttft_share.value < 0.31
+    s.add_request(mk("long", 500, 1))                  # a batch prompt: its chunk is cut to the step's share
+    so = step(s)
+    planned = s.ttft_headroom.value * s.ttft_share.value * 1.0          # seconds: 1 ms a row
+    assert abs(so.seqs[0].num_tokens - planned * 1000) <= 1 and planned < s.ttft_headroom.value * TTFT_STEP_SHARE
+    first_tokens(0, 0.1, 1200)                         # in time: the share climbs back, capped
+    assert s.ttft_share.value == TTFT_STEP_SHARE and s.ttft_share.misses == 10
+    assert TtftShare.LO < TtftShare.HI == TTFT_STEP_SHARE
