@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -55,7 +57,7 @@ def drain(base: str, timeout_s: float = 120.0) -> None:
 
 
 async def interactive(client, base, body, ttft_ms, itl_ms) -> dict:
-    t0, first, last, worst, n = time.perf_counter(), None, None, 0.0, 0
+    t0, first, last, worst, worst_at, n = time.perf_counter(), None, None, 0.0, None, 0
     async with client.stream("POST", base + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -67,11 +69,12 @@ async def interactive(client, base, body, ttft_ms, itl_ms) -> dict:
             now = time.perf_counter()
             if first is None:
                 first = now - t0
-            else:
-                worst = max(worst, now - last)
+            elif now - last > worst:
+                worst, worst_at = now - last, time.monotonic()
             last, n = now, n + 1
     return {"ttft_ms": 1e3 * first, "worst_gap_ms": 1e3 * worst, "tokens": n,
-            "met": 1e3 * first <= ttft_ms and 1e3 * worst <= itl_ms}
+            "met": 1e3 * first <= ttft_ms and 1e3 * worst <= itl_ms,
+            "worst_gap_end": round(worst_at, 3) if worst else None}     # the host's monotonic clock, as the server's
 
 
 async def batch(client, base, body) -> None:
@@ -103,6 +106,15 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
                 await batch(client, base, body)
         for i, r in enumerate(reqs):
             tasks.append(asyncio.create_task(send(i, r)))
+        steps: dict[int, dict] = {}
+
+        async def trace():                            # the server's step records (/debug/state keeps its last 300)
+            while True:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    for st in (await client.get(base + "/debug/state", timeout=30)).json().get("steps", []):
+                        steps[st["step"]] = st
+                await asyncio.sleep(10.0)
+        tracer = asyncio.create_task(trace()) if a.trace else None
         last_inter = max(reqs[i].arrival_s for i in inter)
         # the last request's whole stream at its targets (first token, then every gap at the ITL target), + grace
         deadline = t0 + last_inter + a.ttft_ms / 1e3 + a.inter_out * a.itl_ms / 1e3 + a.grace
@@ -115,6 +127,9 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
             pending = [t for t in pending if not t.done()]
         wall = time.perf_counter() - t0
         gen = metric(base, "pagedserve:generation_tokens_total") - gen0
+        if tracer is not None:
+            tracer.cancel()
+            tasks.append(tracer)
         for t in tasks:
             t.cancel()
         errors = [repr(e) for e in await asyncio.gather(*tasks, return_exceptions=True)
@@ -127,7 +142,9 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
             "worst_gap_p99_ms": round(pctl([o["worst_gap_ms"] for o in out.values()], 99), 1),
             "batch_out_tok_s": round((gen - inter_tokens) / wall, 2), "wall_s": round(wall, 1),
             "errors": errors[:3], "num_errors": len(errors),
-            "requests": [{k: round(v, 1) if isinstance(v, float) else v for k, v in out[i].items()} for i in sorted(out)]}
+            "requests": [{k: round(v, 1) if isinstance(v, float) and k != "worst_gap_end" else v
+                          for k, v in out[i].items()} for i in sorted(out)],
+            **({"steps": [steps[k] for k in sorted(steps)]} if a.trace else {})}
 
 
 def pctl(xs, q):
@@ -140,6 +157,7 @@ def pctl(xs, q):
 def serve_flags(mode: str, a) -> list[str]:
     flags = ["--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
              "--max-model-len", str(a.max_model_len)] + ([] if a.model is None else ["--model", a.model])
+    flags += shlex.split(a.serve_args)
     ea = goodput.engine_args(mode, a)
     if ea.traffic_classes is not None:
         flags += ["--traffic-classes", json.dumps(ea.traffic_classes)]
@@ -167,6 +185,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--modes", default=",".join(goodput.MODES))
     ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument("--serve-args", default="", help="more `pagedserve serve` flags (e.g. --num-threads 1)")
+    ap.add_argument("--trace", action="store_true", help="keep the server's step records (/debug/state) in the JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "goodput_served.json"))
     a = ap.parse_args()
