@@ -1,21 +1,24 @@
 """Goodput through the server (issue 54 item 5), beside the simulator's on the same workload: the highest
-interactive arrival rate at which >= 99 % of interactive requests meet both targets (first token within --ttft-ms,
-longest inter-token gap within --itl-ms) while a batch class floods the engine — with traffic classes, with
-priorities only, and with neither (every request priority 0, first come first served).
+interactive arrival rate at which >= 99 % of interactive requests meet both targets (first token within
+--ttft-ms, longest inter-token gap within --itl-ms) while a batch class floods the engine — with traffic
+classes, with priorities only, and with neither (every request priority 0, first come first served).
 
 The workload is goodput.py's, request for request (its `workload(rate)`: a backlog of 2 x max_num_seqs
---batch-prompt-token prompts at t = 0, more arriving at 1.2x the batch class's own rate, and Poisson interactive
-arrivals of 24-80-token prompts from t = --warmup s), replayed open-loop against `pagedserve serve` (one server a mode,
-the same flags as the simulator's engine) with `ignore_eos` so every request's length is the workload's. Each
-interactive request is streamed and timed at the client; one that has not finished by the time the last one would
-have at its targets (+ --grace s) is a miss (then every request is cut, and the server drained before the next rate). The simulator runs the
-same requests on this host's fitted step-time model (`--hardware calibrated`).
+--batch-prompt-token prompts at t = 0, more arriving at 1.2x the batch class's own rate, and Poisson
+interactive arrivals of 24-80-token prompts from t = --warmup s), replayed open-loop against `pagedserve serve`
+(one server a mode, the same flags as the simulator's engine) with `ignore_eos` so every request's length is
+the workload's. Each interactive request is streamed and timed at the client; one that has not finished by the
+time the last one would have at its targets (+ --grace s) is a miss (then every request is cut, and the server
+drained before the next rate). The simulator runs the same requests on this host's fitted step-time model
+(`--hardware calibrated`). --trace keeps the server's step records (/debug/state) beside each request's longest
+gap, both on the host's monotonic clock: which step made it.
 
-The rate is bisected in log space as in goodput.py (fewer steps: --iters). Per mode: served and simulated goodput,
-attainment there, and the batch class's output tokens per second over the window.
+The rate is bisected in log space as in goodput.py (fewer steps: --iters). Per mode: served and simulated
+goodput, attainment there, and the batch class's output tokens per second over the window.
 
   python bench/goodput_served.py [--model FILE] [--itl-ms 300] [--ttft-ms 1000] [--window 30] [--iters 3]
-      [--modes classes,priorities,none] [--no-sim] [--json bench/results/goodput_served.json]
+      [--max-num-seqs 64] [--modes classes,priorities,none] [--no-sim] [--trace] [--serve-args "..."]
+      [--json bench/results/goodput_served.json]
 """
 from __future__ import annotations
 
@@ -238,7 +241,8 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for mode, row in report.items():
         s = row["served"]
-        print(f"| {mode} | {s['goodput_req_s']} | {s['at_goodput']['attainment']} | {s['at_goodput']['batch_out_tok_s']} "
+        at = s["at_goodput"]
+        print(f"| {mode} | {s['goodput_req_s']} | {at['attainment']} | {at['batch_out_tok_s']} "
               f"| {row['simulated']['goodput_req_s'] if 'simulated' in row else '-'} |")
     if a.json:
         os.makedirs(os.path.dirname(a.json), exist_ok=True)

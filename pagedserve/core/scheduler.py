@@ -798,13 +798,13 @@ class _StepLimits:
         target (a step's first prefill chunk always gets up to MIN_PREFILL_CHUNK tokens: prompts never stall)."""
         if self.target is None or n <= 1:
             return n
+        if not self.prefill:                      # this is the step's forced chunk: counted as itself now
+            self.forced.pop(_CHUNK, None)
 
         def over(k: int) -> bool:
             return self.over((start, k, 1 if start + k >= req.num_tokens else 0))
         if not over(n):
             return n
-        if not self.prefill:                      # this is the step's forced chunk: counted as itself now
-            self.forced.pop(_CHUNK, None)
         lo = floor = min(n, MIN_PREFILL_CHUNK) if not self.prefill else 0   # one forced chunk a step, not two
         if floor < n and not over(floor):
             hi = n                                # over(lo) is False, over(hi) is True

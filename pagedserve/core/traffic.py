@@ -99,9 +99,10 @@ class StepHeadroom:
 class TtftShare(StepHeadroom):
     """The share of a TTFT target a step may take (at most TTFT_STEP_SHARE: an arrival waits for the step in
     flight, then needs one of its own), kept by feedback on the first tokens themselves: one past its class's
-    TTFT target shrinks it by MISS (10 %), one within grows it by MISS / 99, so about one first token in a hundred is
-    late. Steps held to half the target still left the TTFT p99 over it where steps run past their plan and a
-    request's way in and out costs time too (issue 54 item 5, served: 3 first tokens of 15 over 1 s, 1.0-1.4 s)."""
+    TTFT target shrinks it by MISS (10 %), one within grows it by MISS / 99, so about one first token in a
+    hundred is late. Steps held to half the target still left the TTFT p99 over it where steps run past their
+    plan and a request's way in and out costs time too (issue 54 item 5, served: 3 first tokens of 15 over
+    1 s, at 1.0-1.4 s)."""
 
     LO, HI, MISS = 0.1, TTFT_STEP_SHARE, 0.1       # a step a request, not a step a step: fewer samples, bigger moves
 

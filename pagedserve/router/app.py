@@ -2,9 +2,9 @@
 `pagedserve serve` replicas. Each request goes where `RoutingPolicy` says (the replica caching its
 prefix, unless it is much busier); bodies and SSE streams are passed through as they come. Replicas
 are health-checked every second; one that fails (a refused connection, a failed health check, three
-checks in a row timing out) gets no new requests until it answers again. A request whose replica fails before answering is retried
-on another; one whose replica dies mid-answer gets a clear error (a 502, or an SSE `error` event
-before `[DONE]`), never a hang."""
+checks in a row timing out) gets no new requests until it answers again. A request whose replica
+fails before answering is retried on another; one whose replica dies mid-answer gets a clear error
+(a 502, or an SSE `error` event before `[DONE]`), never a hang."""
 from __future__ import annotations
 
 import asyncio
