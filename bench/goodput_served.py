@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import goodput  # noqa: E402
 from server_proc import serve, stop  # noqa: E402
+from serving import pct  # noqa: E402
 
 from pagedserve.sim.simulator import max_rate_meeting  # noqa: E402
 
@@ -141,8 +142,8 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
     inter_tokens = sum(out[i]["tokens"] for i in out)
     return {"rate": None, "miss": 1.0 - met / len(inter), "attainment": round(met / len(inter), 4),
             "interactive": len(inter), "interactive_done": len(out),
-            "ttft_p99_ms": round(pctl([o["ttft_ms"] for o in out.values()], 99), 1),
-            "worst_gap_p99_ms": round(pctl([o["worst_gap_ms"] for o in out.values()], 99), 1),
+            "ttft_p99_ms": p99([o["ttft_ms"] for o in out.values()]),
+            "worst_gap_p99_ms": p99([o["worst_gap_ms"] for o in out.values()]),
             "batch_out_tok_s": round((gen - inter_tokens) / wall, 2), "wall_s": round(wall, 1),
             "errors": errors[:3], "num_errors": len(errors),
             "requests": [{k: round(v, 1) if isinstance(v, float) and k != "worst_gap_end" else v
@@ -150,11 +151,8 @@ async def replay(base: str, mode: str, reqs, inter: frozenset, a) -> dict:
             **({"steps": [steps[k] for k in sorted(steps)]} if a.trace else {})}
 
 
-def pctl(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+def p99(xs: list[float]) -> float | None:
+    return None if not xs else round(pct(xs, 99), 1)
 
 
 def serve_flags(mode: str, a) -> list[str]:

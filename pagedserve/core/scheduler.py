@@ -759,8 +759,11 @@ class _StepLimits:
         # them pushed the step past the target): every decode of a class with an ITL target, and one of each
         # other class (its deepest); each leaves this map when its class's decode is planned. A prompt's last
         # token is such a row too (one token that samples: `defer` treats it as a decode, `fit` never cuts it)
+        # And the step's one forced prefill chunk (prompts never stall) where a prompt has tokens left, at the
+        # deepest such start: counted before the decodes of classes without a target, as least_step_rows counts it
         self.forced: dict[object, tuple[int, int, int]] = {}
         if self.target is not None:
+            deepest = -1
             for r in sch.running:
                 if r.num_computed_tokens + 1 == r.num_tokens:
                     c, row = r.traffic_class, (r.num_computed_tokens, 1, 1)
@@ -768,13 +771,12 @@ class _StepLimits:
                         self.forced[r.request_id] = row
                     elif row > self.forced.get(c, (-1, 0, 0)):
                         self.forced[c] = row
-            # and the step's one forced prefill chunk (prompts never stall), where any prompt has tokens left:
-            # counted before the decodes of classes without a target are admitted, as least_step_rows counts it
-            starts = [r.num_computed_tokens for r in sch.running if r.num_computed_tokens + 1 < r.num_tokens]
-            if sch.num_seqs() < sch.cfg.max_num_seqs:
-                starts += [r.num_computed_tokens for _, r in sch.waiting]
-            if starts:
-                self.forced[_CHUNK] = (max(starts), MIN_PREFILL_CHUNK, 1)
+                elif r.num_computed_tokens + 1 < r.num_tokens:
+                    deepest = max(deepest, r.num_computed_tokens)
+            if sch.waiting and sch.num_seqs() < sch.cfg.max_num_seqs:
+                deepest = max(deepest, max(r.num_computed_tokens for _, r in sch.waiting))
+            if deepest >= 0:
+                self.forced[_CHUNK] = (deepest, MIN_PREFILL_CHUNK, 1)
         self.held: dict[str, str] = {}            # class name -> what held it back
         self.stopped = False                      # a class lacked slots or blocks: no class after it is admitted
 

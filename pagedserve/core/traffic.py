@@ -77,14 +77,14 @@ class StepHeadroom:
     past its target shrinks the share by MISS, a step within it grows it by MISS / 99, so about one such step in a
     hundred runs past the target (a quantile tracker; issue 54 item 3: the fixed share, step_headroom, left the ITL
     p99 1.1-1.2x over a target near the floor on one host and 0.8x under a larger one, its batch work given away).
-    Starts at ITL_HEADROOM (a share too high comes down in a few misses; one too low climbs a step at a time), kept
-    in [LO, HI]. The floor is still read with step_headroom (a
-    property of the host and its model, not of the controller's state)."""
+    Starts at START, ITL_HEADROOM (a share too high comes down in a few misses; one too low climbs a step at a
+    time), kept in [LO, HI]. The floor is still read with step_headroom (a property of the host and its model, not
+    of the controller's state)."""
 
-    LO, HI, MISS = MIN_HEADROOM, 0.95, 0.05
+    LO, HI, MISS, START = MIN_HEADROOM, 0.95, 0.05, ITL_HEADROOM
 
     def __init__(self):
-        self.value = ITL_HEADROOM
+        self.value = self.START
         self.steps = self.misses = 0
 
     def observe(self, seconds: float, target_s: float) -> None:
@@ -104,11 +104,8 @@ class TtftShare(StepHeadroom):
     plan and a request's way in and out costs time too (issue 54 item 5, served: 3 first tokens of 15 over
     1 s, at 1.0-1.4 s)."""
 
-    LO, HI, MISS = 0.1, TTFT_STEP_SHARE, 0.1       # a step a request, not a step a step: fewer samples, bigger moves
-
-    def __init__(self):
-        super().__init__()
-        self.value = self.HI
+    # one observation a request, not a step: fewer samples, bigger moves
+    LO, HI, MISS, START = 0.1, TTFT_STEP_SHARE, 0.1, TTFT_STEP_SHARE
 
 
 def itl_floor_s(cost: Callable[[list[Row]], float], rows: list[Row]) -> float:

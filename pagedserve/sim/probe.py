@@ -3,6 +3,7 @@ few steps built by hand, run through the executor and timed, so the live model i
 request; its samples kept beside the host's calibration for the next start. Plain Python: the executor is given."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -124,7 +125,7 @@ def save_probe(path: str, samples: list) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.warning("step-time probe: could not keep its samples in %s (%s); the next start probes again", path, e)
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
 
 
