@@ -1,5 +1,6 @@
 """Start-up time (issue 56: "start like llama.cpp"): how long `pagedserve serve` takes from exec to
-/health 200, and `pagedserve generate "What is the capital of France?"` from exec to exit, cold and warm,
+/health 200, and `pagedserve generate "What is the capital of France?"` from exec to the first byte of its
+streamed answer (the wait the issue's aim is about) and to exit, cold and warm,
 with the process's peak and idle RSS and the engine's own phase breakdown (its "ready in" line).
 
   cold: every run with an empty cache folder of its own (PAGEDSERVE_CACHE: the converted tokenizer, the
@@ -91,17 +92,27 @@ def run_serve(cmd: list[str], env: dict, port: int, timeout: float = 300) -> dic
 
 
 def run_generate(cmd: list[str], env: dict) -> dict:
+    """exec -> the answer's first byte on stdout (generate streams it: the wait a user sees) -> exit."""
+    err = tempfile.TemporaryFile(mode="w+")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    out, err = proc.communicate(timeout=600)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+    first_s, out = float("nan"), b""
+    while chunk := os.read(proc.stdout.fileno(), 4096):
+        if not out.strip() and chunk.strip():
+            first_s = time.perf_counter() - t0
+        out += chunk
+    proc.wait(timeout=600)
     wall = time.perf_counter() - t0
+    err.seek(0)
+    log = err.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"generate exited {proc.returncode}:\n{err[-2000:]}")
+        raise RuntimeError(f"generate exited {proc.returncode}:\n{log[-2000:]}")
     peak = 0.0
-    m = re.search(r"PEAK_RSS_KB=(\d+)", err)
+    m = re.search(r"PEAK_RSS_KB=(\d+)", log)
     if m:
         peak = int(m.group(1)) / 1024
-    return {"wall_s": wall, "answer": out.strip(), "peak_rss_mb": peak, "phases": phases_of(err)}
+    return {"wall_s": wall, "first_answer_s": first_s, "answer": out.decode(errors="replace").strip(),
+            "peak_rss_mb": peak, "phases": phases_of(log)}
 
 
 # generate runs under a tiny wrapper that reports the child's peak RSS (ru_maxrss) on stderr, from an exit
@@ -163,7 +174,8 @@ def main() -> int:
                     rows.append(r)
                     print(f"  {mode} {what} run {i + 1}: "
                           + (f"ready {r['ready_s']:.2f} s (port {r['port_s']:.2f} s)" if what.startswith("serve")
-                             else f"{r['wall_s']:.2f} s, answer {r['answer'][:40]!r}"), file=sys.stderr, flush=True)
+                             else f"first answer {r['first_answer_s']:.2f} s, exit {r['wall_s']:.2f} s, answer "
+                                  f"{r['answer'][:40]!r}"), file=sys.stderr, flush=True)
         if ns.llama_server:
             rows = results.setdefault("llama-server", [])
             for i in range(ns.runs):
@@ -174,12 +186,15 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nmodel {model}; {ns.runs} runs each, medians (a shared host: noisy)\n")
-    print(f"{'':28} {'ready / wall s':>15} {'port s':>8} {'peak RSS MB':>12} {'idle RSS MB':>12}")
+    print("ready: serve's /health 200, generate's first byte of its answer (exit: generate's whole answer)\n")
+    print(f"{'':28} {'ready s':>8} {'port s':>8} {'exit s':>8} {'peak RSS MB':>12} {'idle RSS MB':>12}")
+    nan = float("nan")
     for name, rows in results.items():
-        t = med([r.get("ready_s", r.get("wall_s")) for r in rows])
-        port = med([r["port_s"] for r in rows]) if "port_s" in rows[0] else None
+        t = med([r.get("ready_s", r.get("first_answer_s")) for r in rows])
+        port = med([r["port_s"] for r in rows]) if "port_s" in rows[0] else nan
+        wall = med([r["wall_s"] for r in rows]) if "wall_s" in rows[0] else nan
         idle = med([r["idle_rss_mb"] for r in rows]) if "idle_rss_mb" in rows[0] else None
-        print(f"{name:28} {t:15.2f} {port if port is not None else float('nan'):8.2f} "
+        print(f"{name:28} {t:8.2f} {port:8.2f} {wall:8.2f} "
               f"{med([r['peak_rss_mb'] for r in rows]):12.0f} {idle if idle is not None else float('nan'):12.0f}")
     phase_rows = {name: rows for name, rows in results.items() if rows and rows[0].get("phases")}
     if phase_rows:
@@ -201,7 +216,8 @@ def record_claim(results: dict, ns) -> None:
     import claims
     serve, gen = results["warm serve"], results["warm generate"]
     ready, port = med([r["ready_s"] for r in serve]), med([r["port_s"] for r in serve])
-    wall, idle = med([r["wall_s"] for r in gen]), med([r["idle_rss_mb"] for r in serve])
+    first, wall = med([r["first_answer_s"] for r in gen]), med([r["wall_s"] for r in gen])
+    idle = med([r["idle_rss_mb"] for r in serve])
     llama = results.get("llama-server")
     ref = (f"llama-server ready {med([r['ready_s'] for r in llama]):.2f} s, idle RSS "
            f"{med([r['idle_rss_mb'] for r in llama]):.0f} MB (same file)") if llama else "-"
@@ -209,9 +225,10 @@ def record_claim(results: dict, ns) -> None:
     claims.update("startup-warm", command="`python bench/startup.py " + " ".join(sys.argv[1:]) + "`",
                   claim=f"Start-up, {'default model' if ns.model is None else os.path.basename(ns.model)}, warm "
                         f"(median of {ns.runs})",
-                  ours=f"serve ready {ready:.2f} s (port answering 503 at {port:.2f} s); generate wall {wall:.2f} s; "
+                  ours=f"serve ready {ready:.2f} s (port answering 503 at {port:.2f} s); generate's first answer byte {first:.2f} s "
+                       f"(its whole answer, exit: {wall:.2f} s); "
                        f"serve idle RSS {idle:.0f} MB",
-                  reference=ref, ratio=f"aim ready <= 3 s {met(ready <= 3)}, generate <= 4 s {met(wall <= 4)}, "
+                  reference=ref, ratio=f"aim ready <= 3 s {met(ready <= 3)}, generate answering <= 4 s {met(first <= 4)}, "
                                        f"idle RSS <= 1 GB {met(idle <= 1024)}")
 
 

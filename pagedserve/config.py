@@ -126,8 +126,9 @@ class EngineArgs:
         "and in serve in the engine's idle time after /health is 200, so a server's memory is flat once it "
         "has idled; off: built as steps meet them (the default of generate and chat, which meet a few)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
-        "auto (as --dtype) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV cache's "
-        "storage; bfloat16 halves the bytes per token, int8 about quarters them"))
+        "auto (as --dtype; bfloat16 on a CPU where --dtype auto is float32 for want of bf16 arithmetic, as "
+        "llama.cpp keeps f16) | float32 | bfloat16 | int8 (one float32 scale per token and kv head): the KV "
+        "cache's storage; bfloat16 halves the bytes per token, int8 about quarters them"))
     pooling: str | None = field(default=None, metadata=_h(
         "last | mean | cls | max (max: encoders only): how embedding requests (LLM.embed, /v1/embeddings) pool "
         "the final hidden states; "

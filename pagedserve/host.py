@@ -44,6 +44,20 @@ def auto_dtype(device: str) -> tuple[str, str]:
     return "float32", "the CPU has neither amx_bf16 nor avx512_bf16"
 
 
+def auto_kv_cache_dtype(device: str, dtype_asked: str, dtype_name: str) -> tuple[str, str]:
+    """What `--kv-cache-dtype auto` means here, and why (logged at start-up): the model's dtype, except where
+    `--dtype auto` chose float32 only because the CPU has no bf16 arithmetic (an AVX2-only host). There the
+    cache is stored in bfloat16, as llama.cpp keeps an f16 cache while it multiplies in float32: half the
+    bytes per token (the pool holds twice the tokens, a long context reads half the memory) and the
+    attention kernels widen each value as they read it. That path is held to the closeness rule, as the
+    int8-rounded activations of its packed products already are; `--dtype float32` asked for keeps a
+    float32 cache (the exact path)."""
+    if device == "cpu" and dtype_asked == "auto" and dtype_name == "float32":
+        return "bfloat16", "--dtype auto is float32 here for want of bf16 arithmetic; the cache is stored in " \
+                           "bf16 (half the bytes; --kv-cache-dtype float32 keeps it float32)"
+    return dtype_name, "as --dtype"
+
+
 def describe() -> str:
     """One line naming the host for benchmark outputs: model, cores, vector and matrix flags."""
     name, flags = cpu_info()

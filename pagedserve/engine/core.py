@@ -26,7 +26,7 @@ from pagedserve.engine.startup import Background, StartupTimer, activate, mark, 
 from pagedserve.engine.outputs import EngineCoreOutputs, EngineCounters, RequestFailure, SeqTimes, SeqToken, StepStats
 from pagedserve.errors import EngineDeadError, ParamError
 from pagedserve.model.attention import KV_CACHE_DTYPES, kv_scale_bytes
-from pagedserve.host import auto_dtype, available_memory_bytes, fix_malloc_thresholds, openmp_wait
+from pagedserve.host import auto_dtype, auto_kv_cache_dtype, available_memory_bytes, fix_malloc_thresholds, openmp_wait
 from pagedserve.distributed.executor import make_executor
 from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.distributed.worker import CacheSpec
@@ -134,7 +134,12 @@ class EngineCore:
         self.weights_bytes = weight_bytes(self.model) * tp.size
         self.workspace_bytes = workspace_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
                                                dtype.itemsize)
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[args.kv_cache_dtype]
+        if args.kv_cache_dtype == "auto":
+            kv_name, why = auto_kv_cache_dtype(args.device, args.dtype, str(dtype).removeprefix("torch."))
+            kv_dtype = KV_CACHE_DTYPES[kv_name]
+            log.info("KV cache dtype %s (auto: %s)", kv_name, why)
+        else:
+            kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
         self.kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
         # bytes of one token in every layer (full attention everywhere: the seed's arithmetic)
         self.kv_cache_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize, kv_scale_bytes(kv_dtype))

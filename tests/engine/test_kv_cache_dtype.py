@@ -55,7 +55,9 @@ def test_greedy_close_to_float32(dtype, kv, quant, fp32_greedy):
     other = LLM(num_kv_blocks=1024, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
     # packed weights multiply int8-rounded activations (qmatmul_q8) unless float32 was asked for
     assert all(w.int8_act == (quant != "none" and dtype != "float32") for w in _packed(other))
-    want = {"int8": 1, "float32": 4, "bfloat16": 2}.get(kv, other.engine.core.model.norm.dtype.itemsize)   # auto: as --dtype
+    # auto: as --dtype, and bfloat16 wherever --dtype auto computes in float32 (host.auto_kv_cache_dtype)
+    auto = 2 if dtype == "auto" else other.engine.core.model.norm.dtype.itemsize
+    want = {"int8": 1, "float32": 4, "bfloat16": 2}.get(kv, auto)
     assert other.engine.core.runner.kv_cache.dtype.itemsize == want
     _assert_logprobs_close(fp32_greedy, _greedy(other), f"--dtype {dtype} --kv-cache-dtype {kv} --quantization {quant}")
 
@@ -67,6 +69,23 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(host, "cpu_info", lambda: ("Xeon", frozenset({"avx512f", "avx512_bf16", "amx_bf16"})))
     assert host.auto_dtype("cpu") == ("bfloat16", "the CPU multiplies bf16 natively (amx_bf16, avx512_bf16)")
     assert host.auto_dtype("cuda")[0] == "bfloat16"
+
+
+def test_auto_kv_cache_dtype_is_bf16_storage_where_auto_computes_in_float32(caplog):
+    """--kv-cache-dtype auto: as --dtype, except where --dtype auto is float32 for want of bf16 arithmetic (an
+    AVX2 host): bf16 storage there, as llama.cpp's f16 cache beside f32 arithmetic; --dtype float32 asked for
+    keeps a float32 cache (the exact path), and a GPU follows its dtype."""
+    from pagedserve.host import auto_kv_cache_dtype
+    assert auto_kv_cache_dtype("cpu", "auto", "float32")[0] == "bfloat16"
+    assert auto_kv_cache_dtype("cpu", "auto", "bfloat16")[0] == "bfloat16"
+    assert auto_kv_cache_dtype("cpu", "float32", "float32")[0] == "float32"
+    assert auto_kv_cache_dtype("cuda", "auto", "bfloat16")[0] == "bfloat16"
+    assert auto_kv_cache_dtype("cuda", "float32", "float32")[0] == "float32"
+    with caplog.at_level("INFO", logger="pagedserve"):
+        core = LLM(num_kv_blocks=16).engine.core            # --dtype auto on this host, whichever it is
+    assert core.kv_cache_dtype_name == "bfloat16" and core.runner.kv_cache.dtype == torch.bfloat16
+    assert "KV cache dtype bfloat16 (auto: " in caplog.text
+    assert core.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * 2         # K and V, 30 layers, 3 kv heads of 64
 
 
 def test_chosen_path_is_logged(caplog):
@@ -130,9 +149,10 @@ def test_int8_scales_travel_with_swapped_blocks():
     """Swap preemption moves K/V and their scales to host memory and back: greedy output equals an
     unpressured run's (in float32 weights: the batch-invariant path, as batches differ between the two)."""
     prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1040 + 40 * i))} for i in range(6)]
-    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     roomy = LLM(num_kv_blocks=512, kv_cache_dtype="int8", dtype="float32").generate(prompts, sp, use_tqdm=False)
-    tight = LLM(num_kv_blocks=24, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05, dtype="float32")
+    # 20 blocks of 16 for the 6 x 72 tokens: requests are swapped out and back (3 times) and decode on after it
+    tight = LLM(num_kv_blocks=20, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05, dtype="float32")
     got = tight.generate(prompts, sp, use_tqdm=False)
     assert tight.engine.core.counters.preemptions > 0, "the pool was meant to be too small"
     assert tight.engine.core.runner.host_scales.abs().sum() > 0, "preemptions were meant to swap, not recompute"
