@@ -1,24 +1,34 @@
 """bench/gpu_check.py (issue 28's one command for an H200) at toy sizes on the CPU, so the script a GPU
 session runs once is not first run there: every section but `unit` (which is the Triton test module, run
 here by make test itself) must report ok, and the step trace must be what `pagedserve simulate
---calibrate-from` reads."""
+--calibrate-from` reads. One run of the script serves the module's tests (its imports and its toy
+8B-shaped model, which three sections share, are made once)."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("env", "reference", "bandwidth", "decode", "mixed64", "traffic")      # all but `unit`
 
 
-def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
-                        "--sections", "env,reference,bandwidth,mixed64", "--profile"], cwd=ROOT, capture_output=True,
-                       text=True,
+@pytest.fixture(scope="module")
+def gpu_check(tmp_path_factory):
+    """(the finished process, its --out folder, {section: its JSON line}) of one --cpu-smoke run of SECTIONS."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(out),
+                        "--sections", ",".join(SECTIONS), "--profile"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    lines = [json.loads(line) for line in open(out / "gpu_check.jsonl")] if (out / "gpu_check.jsonl").exists() else []
+    return r, out, {d["section"]: d for d in lines}
+
+
+def test_gpu_check_runs_every_section_at_toy_sizes(gpu_check):
+    r, out, by = gpu_check
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(line) for line in open(tmp_path / "gpu_check.jsonl")]
-    by = {d["section"]: d for d in lines}
-    assert set(by) == {"env", "reference", "bandwidth", "mixed64-pagedserve", "mixed64", "done"}
+    assert set(by) == {*SECTIONS, "mixed64-pagedserve", "done"}
     for name in ("env", "reference", "bandwidth", "mixed64"):
         assert by[name]["ok"], by[name]
     assert set(by["reference"]["families"]) == {"llama", "qwen3", "gemma2", "mistral"}
@@ -29,8 +39,8 @@ def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
     ours = m["pagedserve"]          # the warm pass, the sampler A/B, the profile and the h200 refit (--profile)
     assert ours["warm_output_tok_s"] > 0 and ours["host_sampling_output_tok_s"] > 0
     assert ours["h200_profile_refit"]["steps"] == ours["steps"] and ours["compiles_during_first_pass"] >= 0
-    assert "aten::" in (tmp_path / "profile_decode_steps.txt").read_text()
-    assert sum(1 for _ in open(tmp_path / "steps.jsonl")) == ours["steps"]
+    assert "aten::" in (out / "profile_decode_steps.txt").read_text()
+    assert sum(1 for _ in open(out / "steps.jsonl")) == ours["steps"]
     from pagedserve.sim.calibrate import fit_trace
     from pagedserve.sim.cost_model import ModelShape
     fit_trace(m["pagedserve"]["trace"], ModelShape(2, 64, 4, 2, 16, 128, 49152))
@@ -101,15 +111,12 @@ def test_traffic_targets_and_verdict_on_known_numbers():
     assert v["aim_met"] == "not met" and v["itl_p99_vs_idle"] == 1.6 and v["batch_vs_alone"] == 0.79
 
 
-def test_gpu_check_decode_and_traffic_sections_at_toy_sizes(tmp_path):
+def test_gpu_check_decode_and_traffic_sections_at_toy_sizes(gpu_check):
     """The two sections' code paths on the CPU (a 2-layer model of the 8B's vocabulary): every row count and
     every run measured, the records' arithmetic consistent (no timing is judged)."""
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
-                        "--sections", "decode,traffic"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    r, _, by = gpu_check
     assert r.returncode == 0, r.stderr[-3000:]
-    by = {d["section"]: d for d in map(json.loads, open(tmp_path / "gpu_check.jsonl"))}
-    assert set(by) == {"decode", "traffic", "done"} and by["decode"]["ok"] and by["traffic"]["ok"], by
+    assert set(by) == {*SECTIONS, "mixed64-pagedserve", "done"} and by["decode"]["ok"] and by["traffic"]["ok"], by
     from bench.gpu_decode import ROWS
     from pagedserve.sim.cost_model import ModelShape
     d = by["decode"]

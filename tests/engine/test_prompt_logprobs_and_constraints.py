@@ -33,21 +33,40 @@ def _check_against_hf(hf_model, ids, plp, k):
         assert len(top) >= k
 
 
-def test_prompt_logprobs_match_hf(llm, hf_model):
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
-    _check_against_hf(hf_model, out.prompt_token_ids, out.prompt_logprobs, 3)
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    """A random Llama that transformers writes, with a 512-word tokenizer, and HF's model of it: what prompt
+    logprobs are (which rows predict which position, values, ranks, chunks) is checked against HF's full
+    forward on the same weights. (The default model against HF is tests/model/test_reference.py; transformers'
+    read of the bundled GGUF took ~30 s of this file. 512 ids, not 49152: a prompt token's rank among them is
+    not a float32 near-tie that another host's rounding could swap.)"""
+    from tests.model.families import save_family, tiny_tokenizer
+    d, tok = tmp_path_factory.mktemp("small_llama"), tiny_tokenizer(512)
+    return str(d), save_family("llama", d, len(tok), tok)
 
 
-def test_prompt_logprobs_chunked_and_with_a_cached_prefix(hf_model):
+WORDS = " ".join(f"w{3 + 37 * i % 509}" for i in range(40))      # 40 tokens of the 512-word vocabulary
+
+
+def test_prompt_logprobs_match_hf(small_llama):
+    path, hf = small_llama
+    llm = LLM(path, num_kv_blocks=64, block_size=16, dtype="float32")
+    out = llm.generate(WORDS, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 40
+    _check_against_hf(hf, out.prompt_token_ids, out.prompt_logprobs, 3)
+
+
+def test_prompt_logprobs_chunked_and_with_a_cached_prefix(small_llama):
     """Chunks of 16 tokens, and a prompt whose prefix is already in the prefix cache: the logprobs are
     whole and equal to the unchunked ones (the cache is skipped for such requests)."""
-    eng = LLM(num_kv_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=16,
+    path, hf = small_llama
+    eng = LLM(path, num_kv_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=16,
               long_prefill_token_threshold=16, enable_prefix_caching=True)
-    warm = eng.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False)[0]
-    out = eng.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    warm = eng.generate(WORDS, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    out = eng.generate(WORDS, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert warm.prompt_token_ids == out.prompt_token_ids
     assert out.num_cached_tokens == 0
-    _check_against_hf(hf_model, out.prompt_token_ids, out.prompt_logprobs, 0)
+    _check_against_hf(hf, out.prompt_token_ids, out.prompt_logprobs, 0)
     assert eng.engine.core.kv.num_free_blocks == eng.engine.core.kv.pool.num_usable_blocks
 
 
@@ -66,20 +85,37 @@ def test_prompt_logprobs_with_n_and_streaming(llm):
     assert len(got) == 1 and len(got[0]) == len(one.prompt_logprobs)
 
 
+PRESSED = [{"prompt_token_ids": list(range(200 + 7 * i, 260 + 7 * i))} for i in range(6)]
+PRESSED_TOKENS = 16       # in the tight pool below: a request preempted at 4 of its 60 prompt tokens, and with
+                          # n = 2 forks preempted after they forked (30 tokens met the same cases in twice the steps)
+
+
+def _pressed_params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=PRESSED_TOKENS, prompt_logprobs=1, ignore_eos=True, n=n,
+                          temperature=1.0 if n > 1 else 0.0, seed=5)
+
+
+@pytest.fixture(scope="module")
+def unpressed(llm):
+    """The runs without pressure the preemption cases compare with, n = 1 and n = 2 in one batch: a float32
+    output does not depend on what shares its batch (tests/engine/test_invariance.py; the sampled forks draw
+    from their seeded generators), and a run's time is mostly its steps."""
+    outs = llm.generate(PRESSED * 2, [_pressed_params(1)] * len(PRESSED) + [_pressed_params(2)] * len(PRESSED),
+                        use_tqdm=False)
+    return {1: outs[:len(PRESSED)], 2: outs[len(PRESSED):]}
+
+
 @pytest.mark.parametrize("mode,n", [("recompute", 1), ("swap", 1), ("recompute", 2)])
-def test_prompt_logprobs_survive_preemption(llm, mode, n):
+def test_prompt_logprobs_survive_preemption(unpressed, mode, n):
     """A request preempted mid-prefill (recompute restarts from token 0) still yields each prompt
     position's logprobs exactly once, equal to a run without pressure; so does a fork of an n > 1
     request recomputed after it forked (regression: it asked for them again, under its own id)."""
-    prompts = [{"prompt_token_ids": list(range(200 + 7 * i, 260 + 7 * i))} for i in range(6)]
-    sp = SamplingParams(max_tokens=30, prompt_logprobs=1, ignore_eos=True, n=n, temperature=1.0 if n > 1 else 0.0,
-                        seed=5)
-    ref = llm.generate(prompts, sp, use_tqdm=False)
+    prompts, sp, ref = PRESSED, _pressed_params(n), unpressed[n]
     tight = LLM(num_kv_blocks=20, block_size=16, dtype="float32", preemption_mode=mode, swap_space=0.05,
                 max_num_batched_tokens=32, long_prefill_token_threshold=32)
     outs = tight.generate(prompts, sp, use_tqdm=False)
     assert tight.engine.core.counters.preemptions > 0
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 30 for out in outs for o in out.outputs)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == PRESSED_TOKENS for out in outs for o in out.outputs)
     for a, b in zip(outs, ref):
         assert len(a.prompt_logprobs) == 60 and a.prompt_logprobs[0] is None
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):

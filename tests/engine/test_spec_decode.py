@@ -31,6 +31,52 @@ def spec_llm():
     return LLM(num_kv_blocks=1024, block_size=16, dtype="float32", speculative_config=ALWAYS)
 
 
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+LONG = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)      # every request runs its 32 tokens
+# the small-pool tests' (24 blocks of 8): _pressed's prompts at 24 tokens each are preempted 2-3 times an engine,
+# as a fourth prompt at 32 tokens were, in a third fewer steps
+PRESSED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _mixed(chat_prompt_ids) -> list:
+    """Six chat prompts (little for a draft to copy) and the grounded ones (drafts taken)."""
+    return [{"prompt_token_ids": p} for p in chat_prompt_ids[::2]] + GROUNDED
+
+
+def _pressed(chat_prompt_ids) -> list:
+    """The small-pool tests' prompts: three chat prompts and the grounded ones."""
+    return [{"prompt_token_ids": p} for p in chat_prompt_ids[:3]] + GROUNDED
+
+
+def _random_prompts() -> list:
+    rng = random.Random(7)          # random token prompts: an n-gram of them rarely predicts the model
+    return [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 60))]}
+            for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def reference(llm, chat_prompt_ids):
+    """Decoding without drafts (the shared float32 engine), memoized by (prompt, params): a float32 output
+    does not depend on what else shares its batch (tests/engine/test_invariance.py; a seeded request draws
+    from its own generator), so what several tests compare with is computed once, and what a call does not
+    have yet in one batch. The greedy requests of the tests below are computed together up front: a run's
+    time is mostly its steps, which they share."""
+    done = {}
+
+    def generate(prompts, params):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        keys = [(json.dumps(p, sort_keys=True), repr(sp)) for p, sp in zip(prompts, params)]
+        new = {k: (p, sp) for k, p, sp in zip(keys, prompts, params) if k not in done}
+        if new:
+            outs = llm.generate([p for p, _ in new.values()], [sp for _, sp in new.values()], use_tqdm=False)
+            done.update(zip(new, outs))
+        return [done[k] for k in keys]
+
+    greedy, pressed, long = _mixed(chat_prompt_ids), _pressed(chat_prompt_ids), _random_prompts()
+    generate(greedy + pressed + long, [GREEDY] * len(greedy) + [PRESSED] * len(pressed) + [LONG] * len(long))
+    return generate
+
+
 def _engine(llm):
     return llm.engine
 
@@ -45,12 +91,11 @@ def _ids(outs):
     return [[o.token_ids for o in r.outputs] for r in outs]
 
 
-def test_greedy_outputs_are_identical_and_drafts_are_accepted(llm, spec_llm, chat_prompt_ids):
-    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[::2]] + GROUNDED
-    sp = SamplingParams(max_tokens=40, temperature=0.0)
+def test_greedy_outputs_are_identical_and_drafts_are_accepted(reference, spec_llm, chat_prompt_ids):
+    prompts, sp = _mixed(chat_prompt_ids), GREEDY
     stats = _engine(spec_llm).core.scheduler.spec_stats
     before = stats.num_accepted_tokens
-    ref, got = llm.generate(prompts, sp), spec_llm.generate(prompts, sp)
+    ref, got = reference(prompts, sp), spec_llm.generate(prompts, sp)
     assert _ids(got) == _ids(ref)
     assert [r.outputs[0].text for r in got] == [r.outputs[0].text for r in ref]
     assert stats.num_accepted_tokens - before > 50          # the grounded prompts copy: drafts are taken
@@ -76,20 +121,17 @@ def test_the_adaptive_rule_measures_its_costs_behind_a_context_and_gives_the_blo
         _assert_idle_and_clean(a)
 
 
-def test_greedy_outputs_are_identical_when_most_drafts_are_rejected(llm, spec_llm):
-    rng = random.Random(7)          # random token prompts: an n-gram of them rarely predicts the model
-    prompts = [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 60))]}
-               for _ in range(6)]
-    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+def test_greedy_outputs_are_identical_when_most_drafts_are_rejected(reference, spec_llm):
+    prompts, sp = _random_prompts(), LONG
     stats = _engine(spec_llm).core.scheduler.spec_stats
     d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
-    assert _ids(spec_llm.generate(prompts, sp)) == _ids(llm.generate(prompts, sp))
+    assert _ids(spec_llm.generate(prompts, sp)) == _ids(reference(prompts, sp))
     drafted, accepted = stats.num_draft_tokens - d0, stats.num_accepted_tokens - a0
     assert drafted > 100 and accepted < 0.5 * drafted
     _assert_idle_and_clean(spec_llm)
 
 
-def test_seeded_sampling_is_identical_to_decoding_without_drafts(llm, spec_llm, chat_prompt_ids):
+def test_seeded_sampling_is_identical_to_decoding_without_drafts(reference, spec_llm, chat_prompt_ids):
     """Token i of a seeded request always uses its generator's i-th draw, however many drafts a step
     verified, so its output is the one decoding without speculation gives (penalties and min_tokens
     see the accepted drafts)."""
@@ -97,7 +139,7 @@ def test_seeded_sampling_is_identical_to_decoding_without_drafts(llm, spec_llm, 
     params = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=100 + i, logprobs=2,
                              repetition_penalty=1.1 if i % 2 else 1.0, presence_penalty=0.3 if i % 3 == 0 else 0.0,
                              min_tokens=20) for i in range(len(prompts))]
-    ref, got = llm.generate(prompts, params), spec_llm.generate(prompts, params)
+    ref, got = reference(prompts, params), spec_llm.generate(prompts, params)
     assert _ids(got) == _ids(ref)
     for r, g in zip(ref, got):         # the logprobs returned are the target model's, the same numbers
         for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
@@ -106,16 +148,22 @@ def test_seeded_sampling_is_identical_to_decoding_without_drafts(llm, spec_llm, 
     _assert_idle_and_clean(spec_llm)
 
 
-def test_stop_strings_max_tokens_n_and_prompt_logprobs_as_without_drafts(llm, spec_llm):
-    ref_text = llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
-    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]       # inside the copied passage: an accepted run
+def _stop_inside_the_copy(reference) -> str:
+    """Six characters from the middle of GROUNDED[0]'s greedy answer: inside the copied passage, where
+    drafts are accepted in runs."""
+    ref_text = reference([GROUNDED[0]], GREEDY)[0].outputs[0].text
+    return ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]
+
+
+def test_stop_strings_max_tokens_n_and_prompt_logprobs_as_without_drafts(reference, spec_llm):
+    stop = _stop_inside_the_copy(reference)
     cases = [SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]),
              SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
              SamplingParams(max_tokens=7, temperature=0.0),
              SamplingParams(max_tokens=30, temperature=0.9, n=3, seed=5),
              SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1)]
     # every case on both prompts in one batch (one generate each: the cases meet in the same steps)
-    refs = llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
+    refs = reference(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
     gots = spec_llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
     for k, sp in enumerate(cases):
         ref, got = refs[2 * k: 2 * k + 2], gots[2 * k: 2 * k + 2]
@@ -139,13 +187,12 @@ def test_structured_outputs_do_not_draft_and_stay_valid(spec_llm):
     _assert_idle_and_clean(spec_llm)
 
 
-def test_chunked_prefill_and_preemption_with_drafts(llm, chat_prompt_ids):
+def test_chunked_prefill_and_preemption_with_drafts(reference, chat_prompt_ids):
     """A pool far smaller than the work (recompute and swap), prompts chunked at 32 tokens: the same
     tokens as decoding without drafts in a pool that holds them all (preemption alone is exact:
     test_invariance), and every block back at the end."""
-    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:4]] + GROUNDED
-    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    ref = _ids(llm.generate(prompts, sp))
+    prompts, sp = _pressed(chat_prompt_ids), PRESSED
+    ref = _ids(reference(prompts, sp))
     for mode in ("recompute", "swap"):
         small = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
                     long_prefill_token_threshold=32, preemption_mode=mode, speculative_config=ALWAYS)
@@ -276,10 +323,9 @@ def random_draft_path(tmp_path_factory, tokenizer):
     return str(d)
 
 
-def test_draft_model_greedy_outputs_are_identical(llm, packed_draft, random_draft_path, chat_prompt_ids):
-    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:6]] + GROUNDED
-    sp = SamplingParams(max_tokens=40, temperature=0.0)
-    ref = _ids(llm.generate(prompts, sp))
+def test_draft_model_greedy_outputs_are_identical(reference, packed_draft, random_draft_path, chat_prompt_ids):
+    prompts, sp = _mixed(chat_prompt_ids), GREEDY
+    ref = _ids(reference(prompts, sp))
     stats = _engine(packed_draft).core.scheduler.spec_stats
     d0, a0 = stats.num_draft_tokens, stats.num_accepted_tokens
     assert _ids(packed_draft.generate(prompts, sp)) == ref
@@ -293,21 +339,20 @@ def test_draft_model_greedy_outputs_are_identical(llm, packed_draft, random_draf
     _assert_idle_and_clean(rand)
 
 
-def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(llm, packed_draft, chat_prompt_ids):
+def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(reference, packed_draft, chat_prompt_ids):
     prompts = GROUNDED + [{"prompt_token_ids": p} for p in chat_prompt_ids[:2]]
     params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=7 + i, logprobs=1,
                              repetition_penalty=1.1 if i % 2 else 1.0) for i in range(len(prompts))]
-    ref, got = llm.generate(prompts, params), packed_draft.generate(prompts, params)
+    ref, got = reference(prompts, params), packed_draft.generate(prompts, params)
     assert _ids(got) == _ids(ref)
     for r, g in zip(ref, got):
         for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
             assert lr.keys() == lg.keys() and all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
-    ref_text = llm.generate([GROUNDED[0]], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
-    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 6]
-    cases = (SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), SamplingParams(max_tokens=7, temperature=0),
+    stop = _stop_inside_the_copy(reference)
+    cases = (SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), SamplingParams(max_tokens=7, temperature=0.0),
              SamplingParams(max_tokens=20, temperature=0.9, n=3, seed=5),
              SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=1))
-    refs = llm.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])     # one batch each
+    refs = reference(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])     # one batch each
     gots = packed_draft.generate(GROUNDED[:2] * len(cases), [sp for sp in cases for _ in range(2)])
     for k, sp in enumerate(cases):
         ref, got = refs[2 * k: 2 * k + 2], gots[2 * k: 2 * k + 2]
@@ -317,13 +362,12 @@ def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(llm, pac
     _assert_idle_and_clean(packed_draft)
 
 
-def test_draft_model_through_chunked_prefill_and_preemption(llm, default_source, chat_prompt_ids):
+def test_draft_model_through_chunked_prefill_and_preemption(reference, default_source, chat_prompt_ids):
     """A pool far smaller than the work: sequences are preempted (recompute and swap) and their draft
     reads its context again; prompts chunked at 32 tokens. The same tokens as without drafts (in a pool
     that holds them all), drafts still accepted, every block back."""
-    prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids[:3]] + GROUNDED
-    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    ref = _ids(llm.generate(prompts, sp))
+    prompts, sp = _pressed(chat_prompt_ids), PRESSED
+    ref = _ids(reference(prompts, sp))
     for mode in ("recompute", "swap"):
         small = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
                     long_prefill_token_threshold=32, preemption_mode=mode,

@@ -1,5 +1,5 @@
-"""Streams carry deltas: each step hands out only what is new, so a 4,000-token generation moves
-4,000 tokens' worth of ids and text in total (a snapshot per step would move ~8 million)."""
+"""Streams carry deltas: each step hands out only what is new, so a 1,000-token generation moves
+1,000 tokens' worth of ids and text in total (a snapshot per step would move ~500,000)."""
 import pytest
 
 from pagedserve import LLM, LLMEngine, SamplingParams
@@ -13,17 +13,25 @@ def tiny_engine(tmp_path_factory, tokenizer):
     return LLMEngine(model=d, num_kv_blocks=300, max_model_len=4200)
 
 
-def test_4000_token_stream_moves_each_token_once(tiny_engine):
+# Every step's output is checked, so a stream that handed out snapshots, merged two tokens or re-sent
+# held-back text fails at any length; 1,000 random tokens put thousands of characters, partial UTF-8
+# sequences among them, through the incremental detokenizer, and cost ~3 ms a step here (the LM head and
+# the sampler over the 49,152-token vocabulary), twice over: longer would add time, not checks.
+STREAM_TOKENS = 1000
+
+
+def test_a_long_stream_moves_each_token_once(tiny_engine):
     eng = tiny_engine
-    sp = SamplingParams(max_tokens=4000, ignore_eos=True, temperature=1.0, seed=1, logprobs=1, stop=["\u0000\u0001"])
+    sp = SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, temperature=1.0, seed=1, logprobs=1,
+                        stop=["\u0000\u0001"])
     eng.add_request("s", [1, 2, 3], sp, stream=True)
     outs = []
     while eng.has_unfinished_requests():
         outs.extend(eng.step())
     tokens = [t for o in outs for t in o.outputs[0].token_ids]
-    assert len(outs) == 4000 and len(tokens) == 4000
+    assert len(outs) == STREAM_TOKENS and len(tokens) == STREAM_TOKENS
     assert max(len(o.outputs[0].token_ids) for o in outs) == 1
-    assert sum(len(o.outputs[0].logprobs) for o in outs) == 4000
+    assert sum(len(o.outputs[0].logprobs) for o in outs) == STREAM_TOKENS
     # the deltas add up to exactly what a non-streaming request of the same seed gets
     eng.add_request("full", [1, 2, 3], sp, stream=False)
     final = []

@@ -1,4 +1,4 @@
-"""The live dashboard: /debug/state against the engine's own counters at several points of a run;
+"""The live dashboard: /debug/state against the engine's own counters at many points of a run;
 /dashboard in headless Chromium (Debian's chromium + chromium-driver, selenium) while a workload
 with shared prefixes and a pool small enough to force preemption runs; `pagedserve top` under a
 pseudo-terminal."""
@@ -24,20 +24,51 @@ SHARED = "You are a helpful assistant who answers in one short sentence. " * 3
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
 
 
-@pytest.fixture(scope="module")
-def served():
+def _serve(model: str | None, num_kv_blocks: int):
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
-    engine = LLMEngine(EngineArgs(num_kv_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=96,
-                                  long_prefill_token_threshold=48, dtype="float32"))
+    engine = LLMEngine(EngineArgs(model=model, num_kv_blocks=num_kv_blocks, block_size=16, max_num_seqs=8,
+                                  max_num_batched_tokens=96, long_prefill_token_threshold=48, dtype="float32"))
     app = build_app(engine, api_key=KEY)
     with serve_in_thread(app) as base:
         yield base, engine, app
 
 
-def workload(base: str, n: int = 16, max_tokens: int = 72) -> threading.Thread:
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer) -> str:
+    """A tiny random Llama with the default model's tokenizer: the same prompts make the same blocks,
+    sharing and preemption as the default model, in steps of a few ms."""
+    from tests.model.helpers import save_random_llama
+    return save_random_llama(tmp_path_factory.mktemp("dash-model"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The default model, for the browser and `pagedserve top`: the page is held to being at most 40 steps
+    behind the engine, a bound made for its steps (~0.2 s here with 8 rows; a tiny model's take ~20 ms,
+    which would make it a sub-second real-time bound). Its pool is 32 blocks, so BROWSER_WORKLOAD's
+    shorter answers still preempt."""
+    yield from _serve(None, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny_served(tiny_model):
+    """The tiny model behind the same server, for the checks of /debug/state against the engine's own
+    counters, which do not depend on the weights: the full workload's ~220 steps in seconds."""
+    yield from _serve(tiny_model, 40)
+
+
+# the browser's workload on `served`: 16 requests of 40 tokens make ~120 steps of which ~40, from step 40
+# on, have requests waiting beside shared blocks (what the screenshot waits for), and preempt in the
+# 32-block pool (72 tokens in a 40-block pool: ~220 steps, measured 48 s here)
+BROWSER_WORKLOAD = dict(n=16, max_tokens=40)
+
+
+def workload(base: str, n: int = 16, max_tokens: int = 72, stagger_s: float = 0.05) -> threading.Thread:
     """Requests with a shared prefix (prefix-cache sharing), some n=2 (fork sharing), more than the
-    40-block pool holds (preemption, waiting with reasons)."""
+    pool holds (preemption, waiting with reasons): 16 of 72 tokens overfill a 40-block pool. They start
+    `stagger_s` apart, all within a few steps of the default model; on the tiny model 0.05 s is a few
+    steps each, and requests spread that thin overfill the pool only some of the time."""
     def one(i):
         body = {"prompt": SHARED + f"Question {i}: what is {i} plus {i}?", "max_tokens": max_tokens,
                 "temperature": 0.7, "seed": i, "n": 2 if i % 3 == 0 else 1, "ignore_eos": True}
@@ -47,7 +78,7 @@ def workload(base: str, n: int = 16, max_tokens: int = 72) -> threading.Thread:
         ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in ts:
             t.start()
-            time.sleep(0.05)
+            time.sleep(stagger_s)
         for t in ts:
             t.join()
     t = threading.Thread(target=run, daemon=True)
@@ -85,17 +116,17 @@ def check_against_counters(snap: dict, own: dict) -> None:
             assert r["reason"]
 
 
-def test_debug_state_matches_the_engine_counters(served):
-    base, engine, app = served
+def test_debug_state_matches_the_engine_counters(tiny_served):
+    base, engine, app = tiny_served
     assert httpx.get(base + "/debug/state").status_code == 401         # --api-key protects it
-    t = workload(base)
+    t = workload(base, stagger_s=0.005)
     seen = {"waiting": 0, "shared": 0, "preempted": 0}
     while t.is_alive():
         snap, own = engine_view(app, engine)
         check_against_counters(snap, own)
         seen["waiting"] += snap["summary"]["waiting"] > 0
         seen["shared"] += snap["summary"]["shared"] > 0
-        time.sleep(0.1)
+        time.sleep(0.02)            # every few steps of the tiny model
     t.join()
     snap = httpx.get(base + "/debug/state", headers=H).json()
     assert snap["summary"]["used"] == 0 and not snap["requests"]
@@ -143,7 +174,7 @@ def test_dashboard_in_a_real_browser(served):
         while time.time() < deadline and not driver.execute_script("return window.dash && window.dash.frames"):
             time.sleep(0.1)
         assert driver.execute_script("return window.dash.frames") > 0
-        t = workload(base)
+        t = workload(base, **BROWSER_WORKLOAD)
         seen = {"shared": False, "reason": "", "frames": 0}
         shot = False
         while t.is_alive():
@@ -210,11 +241,12 @@ def test_pagedserve_top_under_a_pty(served):
                           capture_output=True).returncode == 0
 
 
-def test_snapshot_shows_swapped_requests_with_their_host_blocks():
-    """Swap preemption: a swapped request is listed as such, with its host blocks, and holds no device block."""
+def test_snapshot_shows_swapped_requests_with_their_host_blocks(tiny_model):
+    """Swap preemption: a swapped request is listed as such, with its host blocks, and holds no device block
+    (the tiny model: the same blocks swap as under the default model, whose steps are ~10x as long)."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.entrypoints.dashboard import StateRecorder, snapshot
-    llm = LLM(num_kv_blocks=20, block_size=16, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
+    llm = LLM(tiny_model, num_kv_blocks=20, block_size=16, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
               dtype="float32")
     from pagedserve.entrypoints.metrics import LatencySamples
     eng, rec = llm.engine, StateRecorder()
@@ -235,21 +267,21 @@ def test_snapshot_shows_swapped_requests_with_their_host_blocks():
     assert seen is not None and snapshot(eng, rec)["summary"]["used"] == 0
 
 
-def test_dashboard_aggregates_a_large_pool_and_sizes_its_charts(tmp_path, tokenizer):
+def test_dashboard_aggregates_a_large_pool_and_sizes_its_charts(tiny_model):
     """A pool of the default server's size (11,650 blocks here) is drawn with one cell per run of k
     blocks, and says so; the cells' counts add up to the frame's summary; every chart is drawn at its
     panel's width (not a fixed bitmap stretched); the latency histograms mark p50 and p99."""
     from pagedserve import EngineArgs, LLMEngine
     from pagedserve.entrypoints.server import build_app
-    from tests.model.helpers import save_random_llama
-    engine = LLMEngine(EngineArgs(model=save_random_llama(tmp_path / "m", tokenizer), num_kv_blocks=11650,
-                                  max_num_seqs=8, dtype="float32"))
+    engine = LLMEngine(EngineArgs(model=tiny_model, num_kv_blocks=11650, max_num_seqs=8, dtype="float32"))
     app = build_app(engine, api_key=KEY)
     with serve_in_thread(app) as base:
         driver = _driver()
         try:
             driver.get(base + f"/dashboard#key={KEY}")
-            t = workload(base, n=8, max_tokens=400)
+            # long enough to be running when the page first draws (within ~1 s here), and no longer: the
+            # histograms need finished requests, so every one is waited for below
+            t = workload(base, n=8, max_tokens=200)
             deadline, seen = time.time() + 60, None
             while time.time() < deadline and t.is_alive():
                 seen = driver.execute_script("""
