@@ -1,9 +1,10 @@
 """Speculative decoding (n-gram) against decoding without it, on the default model in float32 (the
-exact path) and on a small-vocabulary random model that transformers writes: greedy outputs are
-identical, seeded sampled outputs are identical (the generator is rewound past unused draws),
-unseeded sampling follows the target distribution (chi-square against the distribution computed
-with HF on the same weights), and the mechanics (chunked prefill, preemption, n > 1, stop strings,
-max_tokens, logprobs, structured outputs) keep working with nothing leaked."""
+exact path) and on small random models that transformers writes (a 12-token vocabulary for the
+distributions, 512 words for preemption in a small pool): greedy outputs are identical, seeded
+sampled outputs are identical (the generator is rewound past unused draws), unseeded sampling
+follows the target distribution (chi-square against the distribution computed with HF on the same
+weights), and the mechanics (chunked prefill, preemption, n > 1, stop strings, max_tokens,
+logprobs, structured outputs) keep working with nothing leaked."""
 from __future__ import annotations
 
 import itertools
@@ -33,19 +34,11 @@ def spec_llm():
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 LONG = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)      # every request runs its 32 tokens
-# the small-pool tests' (24 blocks of 8): _pressed's prompts at 24 tokens each are preempted 2-3 times an engine,
-# as a fourth prompt at 32 tokens were, in a third fewer steps
-PRESSED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def _mixed(chat_prompt_ids) -> list:
     """Six chat prompts (little for a draft to copy) and the grounded ones (drafts taken)."""
     return [{"prompt_token_ids": p} for p in chat_prompt_ids[::2]] + GROUNDED
-
-
-def _pressed(chat_prompt_ids) -> list:
-    """The small-pool tests' prompts: three chat prompts and the grounded ones."""
-    return [{"prompt_token_ids": p} for p in chat_prompt_ids[:3]] + GROUNDED
 
 
 def _random_prompts() -> list:
@@ -72,8 +65,8 @@ def reference(llm, chat_prompt_ids):
             done.update(zip(new, outs))
         return [done[k] for k in keys]
 
-    greedy, pressed, long = _mixed(chat_prompt_ids), _pressed(chat_prompt_ids), _random_prompts()
-    generate(greedy + pressed + long, [GREEDY] * len(greedy) + [PRESSED] * len(pressed) + [LONG] * len(long))
+    greedy, long = _mixed(chat_prompt_ids), _random_prompts()
+    generate(greedy + long, [GREEDY] * len(greedy) + [LONG] * len(long))
     return generate
 
 
@@ -187,16 +180,40 @@ def test_structured_outputs_do_not_draft_and_stay_valid(spec_llm):
     _assert_idle_and_clean(spec_llm)
 
 
-def test_chunked_prefill_and_preemption_with_drafts(reference, chat_prompt_ids):
+# What preemption and chunked prefill do with drafts is the engine's bookkeeping, not the default model's outputs:
+# the two small-pool tests run a random Llama of 512 words (on the default model they took ~25 s each)
+PRESSED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pressed(tmp_path_factory):
+    """A random Llama of 512 words, sharp enough that its greedy outputs vary (at the default sharpness a
+    random model settles on one token, where an equality check tells little), seven prompts of 33-61 of its
+    tokens, and their greedy outputs without drafts in a pool that holds them all."""
+    from tests.model.families import save_family, tiny_tokenizer
+    d, tok = tmp_path_factory.mktemp("pressed"), tiny_tokenizer(512)
+    save_family("llama", d, len(tok), tok, sharpen=8.0)
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]} for n in (33, 40, 47, 52, 58, 61, 45)]
+    roomy = LLM(str(d), num_kv_blocks=256, block_size=8, dtype="float32")
+    return str(d), prompts, _ids(roomy.generate(prompts, PRESSED))
+
+
+def _small_pool(path: str, mode: str, spec: dict) -> LLM:
+    """24 blocks of 8 for the ~500 tokens `pressed`'s requests hold: they are preempted (4-7 times an engine);
+    prompts chunked at 32 tokens."""
+    return LLM(path, num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
+               long_prefill_token_threshold=32, preemption_mode=mode, speculative_config=spec)
+
+
+def test_chunked_prefill_and_preemption_with_drafts(pressed):
     """A pool far smaller than the work (recompute and swap), prompts chunked at 32 tokens: the same
     tokens as decoding without drafts in a pool that holds them all (preemption alone is exact:
     test_invariance), and every block back at the end."""
-    prompts, sp = _pressed(chat_prompt_ids), PRESSED
-    ref = _ids(reference(prompts, sp))
+    path, prompts, ref = pressed
     for mode in ("recompute", "swap"):
-        small = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
-                    long_prefill_token_threshold=32, preemption_mode=mode, speculative_config=ALWAYS)
-        assert _ids(small.generate(prompts, sp)) == ref, mode
+        small = _small_pool(path, mode, ALWAYS)
+        assert _ids(small.generate(prompts, PRESSED)) == ref, mode
         eng = _engine(small)
         assert eng.core.counters.preemptions > 0 and eng.core.scheduler.spec_stats.num_accepted_tokens > 0
         _assert_idle_and_clean(small)
@@ -362,17 +379,15 @@ def test_draft_model_seeded_sampling_stop_strings_n_and_prompt_logprobs(referenc
     _assert_idle_and_clean(packed_draft)
 
 
-def test_draft_model_through_chunked_prefill_and_preemption(reference, default_source, chat_prompt_ids):
+def test_draft_model_through_chunked_prefill_and_preemption(pressed):
     """A pool far smaller than the work: sequences are preempted (recompute and swap) and their draft
     reads its context again; prompts chunked at 32 tokens. The same tokens as without drafts (in a pool
-    that holds them all), drafts still accepted, every block back."""
-    prompts, sp = _pressed(chat_prompt_ids), PRESSED
-    ref = _ids(reference(prompts, sp))
+    that holds them all), drafts still accepted, every block back. (The target is its own draft: each
+    greedy proposal is taken unless the draft read a wrong context.)"""
+    path, prompts, ref = pressed
     for mode in ("recompute", "swap"):
-        small = LLM(num_kv_blocks=24, block_size=8, dtype="float32", max_num_batched_tokens=64,
-                    long_prefill_token_threshold=32, preemption_mode=mode,
-                    speculative_config=_draft_config(default_source.path, quantization="gguf"))
-        assert _ids(small.generate(prompts, sp)) == ref, mode
+        small = _small_pool(path, mode, _draft_config(path))
+        assert _ids(small.generate(prompts, PRESSED)) == ref, mode
         eng = _engine(small)
         assert eng.core.counters.preemptions > 0
         st = eng.core.scheduler.spec_stats
