@@ -24,7 +24,8 @@ def main():
     ap.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the bundled model)")
     a = ap.parse_args()
     print(f"host: {describe()}")
-    llm = LLM(a.model, num_kv_blocks=512, dtype=a.dtype, quantization=a.quantization)
+    blocks = max(512, a.rows * (a.prompt + a.steps + 48) // 16 + a.rows)   # every row decoding at once, none preempted
+    llm = LLM(a.model, num_kv_blocks=blocks, dtype=a.dtype, quantization=a.quantization)
     eng, model = llm.engine, llm.engine.core.model
     if model.fused is None:
         raise SystemExit("this path runs decode steps layer by layer: nothing to take apart")
