@@ -193,9 +193,8 @@ def main() -> int:
         t = med([r.get("ready_s", r.get("first_answer_s")) for r in rows])
         port = med([r["port_s"] for r in rows]) if "port_s" in rows[0] else nan
         wall = med([r["wall_s"] for r in rows]) if "wall_s" in rows[0] else nan
-        idle = med([r["idle_rss_mb"] for r in rows]) if "idle_rss_mb" in rows[0] else None
-        print(f"{name:28} {t:8.2f} {port:8.2f} {wall:8.2f} "
-              f"{med([r['peak_rss_mb'] for r in rows]):12.0f} {idle if idle is not None else float('nan'):12.0f}")
+        idle = med([r["idle_rss_mb"] for r in rows]) if "idle_rss_mb" in rows[0] else nan
+        print(f"{name:28} {t:8.2f} {port:8.2f} {wall:8.2f} {med([r['peak_rss_mb'] for r in rows]):12.0f} {idle:12.0f}")
     phase_rows = {name: rows for name, rows in results.items() if rows and rows[0].get("phases")}
     if phase_rows:
         names = list(dict.fromkeys(k for rows in phase_rows.values() for r in rows for k in r["phases"]))

@@ -91,6 +91,17 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="session")
+def sharp_llama(tmp_path_factory) -> str:
+    """A random Llama of 512 words that transformers writes, sharp enough that its greedy outputs vary (at the
+    default sharpness a random model settles on one token, where an equality check tells little): for tests of
+    the engine's bookkeeping (preemption, swap, drafts), which do not need the default model's outputs."""
+    from tests.model.families import save_family, tiny_tokenizer
+    d, tok = tmp_path_factory.mktemp("sharp_llama"), tiny_tokenizer(512)
+    save_family("llama", d, len(tok), tok, sharpen=8.0)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def chat_prompt_ids(tokenizer):
     from pagedserve.tokenizer import apply_chat_template
     return [apply_chat_template(tokenizer, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -145,21 +145,17 @@ def test_same_memory_admits_more_tokens():
     assert blocks["int8"] == pytest.approx(4 * 64 / 68 * blocks["float32"], abs=2)
 
 
-def test_int8_scales_travel_with_swapped_blocks(tmp_path):
+def test_int8_scales_travel_with_swapped_blocks(sharp_llama):
     """Swap preemption moves K/V and their scales to host memory and back: greedy output equals an
     unpressured run's (in float32 weights: the batch-invariant path, as batches differ between the two).
     What moves where is the engine's bookkeeping, not the default model's outputs: a random Llama of 512
-    words, sharp enough that its greedy outputs vary (at the default sharpness a random model settles on
-    one token, where an equality check tells little)."""
-    from tests.model.families import save_family, tiny_tokenizer
-    tok = tiny_tokenizer(512)
-    save_family("llama", tmp_path, len(tok), tok, sharpen=8.0)
+    words (conftest's sharp_llama)."""
     prompts = [{"prompt_token_ids": list(range(3 + 40 * i, 43 + 40 * i))} for i in range(6)]
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    roomy = LLM(str(tmp_path), num_kv_blocks=512, kv_cache_dtype="int8", dtype="float32").generate(
+    roomy = LLM(sharp_llama, num_kv_blocks=512, kv_cache_dtype="int8", dtype="float32").generate(
         prompts, sp, use_tqdm=False)
     # 20 blocks of 16 for the 6 x 72 tokens: requests are swapped out and back (3 times) and decode on after it
-    tight = LLM(str(tmp_path), num_kv_blocks=20, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05,
+    tight = LLM(sharp_llama, num_kv_blocks=20, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.05,
                 dtype="float32")
     got = tight.generate(prompts, sp, use_tqdm=False)
     assert tight.engine.core.counters.preemptions > 0, "the pool was meant to be too small"

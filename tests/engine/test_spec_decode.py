@@ -186,17 +186,14 @@ PRESSED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pressed(tmp_path_factory):
-    """A random Llama of 512 words, sharp enough that its greedy outputs vary (at the default sharpness a
-    random model settles on one token, where an equality check tells little), seven prompts of 33-61 of its
-    tokens, and their greedy outputs without drafts in a pool that holds them all."""
-    from tests.model.families import save_family, tiny_tokenizer
-    d, tok = tmp_path_factory.mktemp("pressed"), tiny_tokenizer(512)
-    save_family("llama", d, len(tok), tok, sharpen=8.0)
+def pressed(sharp_llama):
+    """conftest's sharp random Llama of 512 words, seven prompts of 33-61 of its tokens, and their greedy
+    outputs without drafts in a pool that holds them all."""
+    d = sharp_llama
     rng = random.Random(3)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]} for n in (33, 40, 47, 52, 58, 61, 45)]
-    roomy = LLM(str(d), num_kv_blocks=256, block_size=8, dtype="float32")
-    return str(d), prompts, _ids(roomy.generate(prompts, PRESSED))
+    roomy = LLM(d, num_kv_blocks=256, block_size=8, dtype="float32")
+    return d, prompts, _ids(roomy.generate(prompts, PRESSED))
 
 
 def _small_pool(path: str, mode: str, spec: dict) -> LLM:
